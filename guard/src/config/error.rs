@@ -1,0 +1,46 @@
+//! Configuration errors: each names the file, the line where it knows it, and the key.
+
+use std::path::{Path, PathBuf};
+
+use super::locate;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{}: cannot read: {source}", file.display())]
+    Read {
+        file: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}{}: {key}: {message}", file.display(), line.map(|l| format!(":{l}")).unwrap_or_default())]
+    Invalid {
+        file: PathBuf,
+        line: Option<usize>,
+        key: String,
+        message: String,
+    },
+}
+
+impl ConfigError {
+    pub(super) fn invalid(
+        file: &Path,
+        text: &str,
+        key: &str,
+        span: Option<std::ops::Range<usize>>,
+        message: String,
+    ) -> Self {
+        let line = span
+            .map(|span| locate::line_of_offset(text, span.start))
+            .or_else(|| locate::line_of_key(text, key));
+        let key = if key.is_empty() || key == "." {
+            "(top level)".to_owned()
+        } else {
+            key.to_owned()
+        };
+        Self::Invalid {
+            file: file.to_owned(),
+            line,
+            key,
+            message,
+        }
+    }
+}

@@ -1,0 +1,418 @@
+//! guard's configuration: the TOML file of DESIGN section 5, its defaults and its validation.
+//!
+//! Every key is documented in `deploy/guard.example.toml`; a test parses that file.
+
+mod error;
+mod locate;
+
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use serde::{Deserialize, Serialize};
+
+pub use error::ConfigError;
+
+/// Where `guard run` looks when `--config` is not given.
+pub const DEFAULT_PATH: &str = "/etc/guard/guard.toml";
+
+/// The whole configuration, after validation.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub upstream: UpstreamConfig,
+    pub metrics: MetricsConfig,
+    pub ebpf: EbpfConfig,
+    pub class: BTreeMap<String, ClassConfig>,
+    pub classify: ClassifyConfig,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    /// A client must send its whole request head within this time.
+    pub header_read_timeout_ms: u64,
+    /// Largest request body accepted on a queued endpoint; larger gets 413.
+    pub body_limit_bytes: u64,
+    /// On SIGTERM, how long running requests may take to finish.
+    pub drain_grace_ms: u64,
+    /// Whether a client's half-close (FIN) while its request is pending means it has gone.
+    pub half_close_means_gone: bool,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamConfig {
+    pub url: String,
+    pub api: Api,
+    pub max_concurrency: u32,
+    pub connect_timeout_ms: u64,
+    /// Time from sending a request to the upstream's response head; past it guard answers 504.
+    pub response_timeout_ms: u64,
+}
+
+/// The upstream's API flavour: decides the error body shape on paths it does not name itself.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    Ollama,
+    Openai,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    pub listen: SocketAddr,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EbpfConfig {
+    /// Load the kernel program; with `false` guard detects closes in user space only.
+    pub enabled: bool,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ClassConfig {
+    /// Lower is served first.
+    #[serde(default)]
+    pub priority: i32,
+    /// Requests that may wait; one more is rejected.
+    #[serde(default = "default_max_queue")]
+    pub max_queue: usize,
+    /// Time-to-first-token deadline; absent means the class may wait.
+    #[serde(default)]
+    pub deadline_ms: Option<u64>,
+    /// The cgroup this class's workloads run in.
+    #[serde(default)]
+    pub cgroup: Option<PathBuf>,
+    /// How to throttle that cgroup while a higher class is at risk.
+    #[serde(default)]
+    pub throttle: Option<Throttle>,
+}
+
+/// How a class's cgroup is held back.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Throttle {
+    Freeze,
+    /// CPU quota, in percent of one CPU.
+    Cpu(u32),
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClassifyConfig {
+    pub default: String,
+    /// A request naming a known class in this header gets it; "" turns it off.
+    pub header: String,
+    pub rule: Vec<RuleConfig>,
+}
+
+/// One classification rule: every matcher it names must match; the first matching rule wins.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RuleConfig {
+    pub class: String,
+    pub path_prefix: Option<String>,
+    pub model: Option<String>,
+    pub bearer: Option<String>,
+    pub user_agent: Option<String>,
+    pub source: Option<String>,
+    pub cgroup_prefix: Option<String>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        let class = BTreeMap::from([
+            (
+                "interactive".to_owned(),
+                ClassConfig {
+                    priority: 0,
+                    max_queue: 8,
+                    deadline_ms: Some(2_000),
+                    cgroup: None,
+                    throttle: None,
+                },
+            ),
+            (
+                "batch".to_owned(),
+                ClassConfig {
+                    priority: 10,
+                    max_queue: 1_000,
+                    deadline_ms: None,
+                    cgroup: None,
+                    throttle: None,
+                },
+            ),
+        ]);
+        Self {
+            server: ServerConfig::default(),
+            upstream: UpstreamConfig::default(),
+            metrics: MetricsConfig::default(),
+            ebpf: EbpfConfig::default(),
+            class,
+            classify: ClassifyConfig::default(),
+        }
+    }
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 11434)),
+            header_read_timeout_ms: 10_000,
+            body_limit_bytes: 16 << 20,
+            drain_grace_ms: 30_000,
+            half_close_means_gone: true,
+        }
+    }
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        Self {
+            url: "http://127.0.0.1:11435".to_owned(),
+            api: Api::Ollama,
+            max_concurrency: 1,
+            connect_timeout_ms: 2_000,
+            response_timeout_ms: 300_000,
+        }
+    }
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9464)),
+        }
+    }
+}
+
+impl Default for EbpfConfig {
+    fn default() -> Self {
+        Self { enabled: true }
+    }
+}
+
+impl Default for ClassifyConfig {
+    fn default() -> Self {
+        Self {
+            default: "interactive".to_owned(),
+            header: "x-guard-class".to_owned(),
+            rule: Vec::new(),
+        }
+    }
+}
+
+fn default_max_queue() -> usize {
+    64
+}
+
+impl<'de> Deserialize<'de> for Throttle {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl Serialize for Throttle {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl std::fmt::Display for Throttle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Freeze => f.write_str("freeze"),
+            Self::Cpu(percent) => write!(f, "cpu:{percent}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Throttle {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        if text == "freeze" {
+            return Ok(Self::Freeze);
+        }
+        let percent = text
+            .strip_prefix("cpu:")
+            .and_then(|n| n.parse::<u32>().ok())
+            .filter(|n| (1..=100_000).contains(n));
+        percent.map(Self::Cpu).ok_or_else(|| {
+            format!("unknown throttle mode `{text}`: use \"freeze\" or \"cpu:N\" (N percent of one CPU, 1 or more)")
+        })
+    }
+}
+
+impl Config {
+    /// Reads, parses and validates a file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            file: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and validates TOML text; `file` only names it in errors.
+    pub fn parse(text: &str, file: &Path) -> Result<Self, ConfigError> {
+        let deserializer = toml::Deserializer::new(text);
+        let config: Self = serde_path_to_error::deserialize(deserializer).map_err(|err| {
+            let key = err.path().to_string();
+            let span = err.inner().span();
+            let message = err.inner().message().to_owned();
+            ConfigError::invalid(file, text, &key, span, message)
+        })?;
+        config
+            .validate()
+            .map_err(|(key, message)| ConfigError::invalid(file, text, &key, None, message))?;
+        Ok(config)
+    }
+
+    /// Checks what the types alone cannot; returns the offending key and why.
+    fn validate(&self) -> Result<(), (String, String)> {
+        let fail = |key: &str, message: String| Err((key.to_owned(), message));
+        if let Err(message) = upstream_authority(&self.upstream.url) {
+            return fail("upstream.url", message);
+        }
+        if self.upstream.max_concurrency == 0 {
+            return fail("upstream.max_concurrency", "must be 1 or more".to_owned());
+        }
+        if self.server.listen == self.metrics.listen {
+            return fail(
+                "metrics.listen",
+                format!("{} is already server.listen", self.metrics.listen),
+            );
+        }
+        if self.class.is_empty() {
+            return fail("class", "at least one class is needed".to_owned());
+        }
+        for (name, class) in &self.class {
+            let valid_name = name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
+            if !valid_name || name.is_empty() {
+                return fail(
+                    &format!("class.{name}"),
+                    "class names use a-z, 0-9, '_' and '-'".to_owned(),
+                );
+            }
+            if let Some(cgroup) = &class.cgroup
+                && !cgroup.is_absolute()
+            {
+                return fail(
+                    &format!("class.{name}.cgroup"),
+                    format!("{} is not an absolute path", cgroup.display()),
+                );
+            }
+            if class.throttle.is_some() && class.cgroup.is_none() {
+                return fail(
+                    &format!("class.{name}.throttle"),
+                    "throttle needs class.NAME.cgroup".to_owned(),
+                );
+            }
+        }
+        let known = self.class_names();
+        if !self.class.contains_key(&self.classify.default) {
+            return fail(
+                "classify.default",
+                format!(
+                    "unknown class `{}`: known are {known}",
+                    self.classify.default
+                ),
+            );
+        }
+        for (index, rule) in self.classify.rule.iter().enumerate() {
+            let key = |field: &str| format!("classify.rule[{index}].{field}");
+            if !self.class.contains_key(&rule.class) {
+                return fail(
+                    &key("class"),
+                    format!("unknown class `{}`: known are {known}", rule.class),
+                );
+            }
+            if let Err((field, message)) = rule.check() {
+                return fail(&key(field), message);
+            }
+        }
+        Ok(())
+    }
+
+    /// The class names, comma-separated, for error messages.
+    pub fn class_names(&self) -> String {
+        self.class.keys().cloned().collect::<Vec<_>>().join(", ")
+    }
+
+    pub fn header_read_timeout(&self) -> Duration {
+        Duration::from_millis(self.server.header_read_timeout_ms)
+    }
+}
+
+impl RuleConfig {
+    /// Checks that the rule matches on something and that its patterns compile.
+    fn check(&self) -> Result<(), (&'static str, String)> {
+        let matchers = [
+            &self.path_prefix,
+            &self.model,
+            &self.bearer,
+            &self.user_agent,
+            &self.source,
+            &self.cgroup_prefix,
+        ];
+        if matchers.iter().all(|m| m.is_none()) {
+            return Err((
+                "class",
+                "a rule needs one of path_prefix, model, bearer, user_agent, source, cgroup_prefix"
+                    .to_owned(),
+            ));
+        }
+        for (field, glob) in [("model", &self.model), ("user_agent", &self.user_agent)] {
+            if let Some(glob) = glob {
+                globset::Glob::new(glob).map_err(|err| (field, err.to_string()))?;
+            }
+        }
+        if let Some(source) = &self.source {
+            parse_cidr(source).map_err(|err| ("source", err))?;
+        }
+        Ok(())
+    }
+}
+
+/// Parses `10.0.0.0/8`, `::1/128` or a bare address (a single host).
+pub fn parse_cidr(text: &str) -> Result<ipnet::IpNet, String> {
+    text.parse::<ipnet::IpNet>()
+        .or_else(|_| text.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+        .map_err(|_| format!("`{text}` is not an address or CIDR block"))
+}
+
+/// The `host:port` of an `http://host:port` URL.
+pub fn upstream_authority(url: &str) -> Result<http::uri::Authority, String> {
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|err| format!("`{url}` is not a URL: {err}"))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(format!("`{url}`: only http:// upstreams are supported"));
+    }
+    if uri.path() != "/" && !uri.path().is_empty() {
+        return Err(format!("`{url}`: give scheme, host and port only, no path"));
+    }
+    let authority = uri
+        .authority()
+        .cloned()
+        .ok_or(format!("`{url}` has no host"))?;
+    if authority.port_u16().is_none() {
+        return Err(format!("`{url}` has no port"));
+    }
+    Ok(authority)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,187 @@
+//! `guard run`: starts every part, waits for signals, and shuts down in order.
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use tokio::{
+    net::TcpListener,
+    signal::unix::{SignalKind, signal},
+    sync::{mpsc, watch},
+};
+
+use crate::{
+    config::Config,
+    metrics::{self, Metrics},
+    proxy::{self, Proxy, ProxyError},
+    reap::{ConnEvent, EbpfError, EbpfTracker},
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("cannot listen on {addr} ({key}): {source}")]
+    Bind {
+        key: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Proxy(#[from] ProxyError),
+    #[error("cannot install a signal handler: {0}")]
+    Signal(std::io::Error),
+}
+
+/// The kernel half's state, as /status and /metrics report it.
+struct EbpfState {
+    tracker: Option<Arc<EbpfTracker>>,
+    unavailable: Option<String>,
+}
+
+/// Runs until SIGTERM or SIGINT; returns once everything is shut down and restored.
+pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), DaemonError> {
+    let started = Instant::now();
+    let metrics = Metrics::new();
+    for class in config.class.keys() {
+        metrics.init_class(class);
+    }
+
+    let proxy_listener = bind("server.listen", config.server.listen).await?;
+    let metrics_listener = bind("metrics.listen", config.metrics.listen).await?;
+    let listen_port = proxy_listener
+        .local_addr()
+        .map_or(config.server.listen.port(), |a| a.port());
+
+    let (ebpf, events) = start_ebpf(&config, listen_port);
+    metrics.ebpf_attached.set(i64::from(ebpf.tracker.is_some()));
+    let ebpf = Arc::new(Mutex::new(ebpf));
+    if let Some(events) = events {
+        tokio::spawn(consume_events(events));
+    }
+
+    let status = status_fn(&config, config_path, &metrics, Arc::clone(&ebpf), started);
+    let metrics_task = tokio::spawn(metrics::serve(metrics_listener, metrics.clone(), status));
+
+    let proxy = Arc::new(Proxy::new(&config, metrics.clone())?);
+    let (stop, stopped) = watch::channel(false);
+    let grace = Duration::from_millis(config.server.drain_grace_ms);
+    let proxy_task = tokio::spawn(proxy::serve(proxy_listener, proxy, stopped, grace));
+    tracing::info!(
+        listen = %config.server.listen,
+        upstream = %config.upstream.url,
+        metrics = %config.metrics.listen,
+        "guard is serving"
+    );
+
+    wait_for_stop_signal().await?;
+    tracing::info!("stopping: no new connections; open ones may finish");
+    let _ = stop.send(true);
+    if let Err(err) = proxy_task.await {
+        tracing::error!(%err, "proxy task failed");
+    }
+    metrics_task.abort();
+    // Dropping the tracker detaches the program and closes its maps.
+    ebpf.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .tracker
+        .take();
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, DaemonError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| DaemonError::Bind { key, addr, source })
+}
+
+/// Attaches the kernel program, or says once, clearly, why guard runs without it.
+fn start_ebpf(config: &Config, port: u16) -> (EbpfState, Option<mpsc::Receiver<ConnEvent>>) {
+    let attached = if config.ebpf.enabled {
+        EbpfTracker::attach(&[port])
+    } else {
+        Err(EbpfError::Disabled)
+    };
+    match attached {
+        Ok((tracker, events)) => {
+            tracing::info!(port, "eBPF program attached to sock/inet_sock_set_state");
+            let state = EbpfState {
+                tracker: Some(tracker),
+                unavailable: None,
+            };
+            (state, Some(events))
+        }
+        Err(err) => {
+            tracing::warn!(
+                "eBPF is off: {err}; guard runs on and notices departed clients in user space"
+            );
+            let state = EbpfState {
+                tracker: None,
+                unavailable: Some(err.to_string()),
+            };
+            (state, None)
+        }
+    }
+}
+
+/// Drains kernel events; the reaper takes them over where it runs.
+async fn consume_events(mut events: mpsc::Receiver<ConnEvent>) {
+    while let Some(event) = events.recv().await {
+        tracing::trace!(?event, "socket state change");
+    }
+}
+
+fn status_fn(
+    config: &Config,
+    config_path: Option<PathBuf>,
+    metrics: &Metrics,
+    ebpf: Arc<Mutex<EbpfState>>,
+    started: Instant,
+) -> metrics::StatusFn {
+    let config = config.clone();
+    let metrics = metrics.clone();
+    Arc::new(move || {
+        let ebpf = ebpf
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(tracker) = &ebpf.tracker {
+            Metrics::mirror(&metrics.ebpf_events_total, tracker.events_sent());
+            Metrics::mirror(&metrics.ebpf_ring_drops_total, tracker.ring_drops());
+        }
+        serde_json::json!({
+            "version": env!("CARGO_PKG_VERSION"),
+            "uptime_seconds": started.elapsed().as_secs(),
+            "config": config_path.as_ref().map(|p| p.display().to_string()),
+            "listen": config.server.listen.to_string(),
+            "upstream": { "url": config.upstream.url, "api": config.upstream.api, "max_concurrency": config.upstream.max_concurrency },
+            "ebpf": {
+                "attached": ebpf.tracker.is_some(),
+                "unavailable_reason": ebpf.unavailable,
+                "events_total": metrics.ebpf_events_total.get(),
+                "ring_drops_total": metrics.ebpf_ring_drops_total.get(),
+            },
+            "classes": config.class.iter().map(|(name, class)| {
+                serde_json::json!({
+                    "name": name,
+                    "priority": class.priority,
+                    "max_queue": class.max_queue,
+                    "deadline_ms": class.deadline_ms,
+                    "queued": metrics.queue_depth.with_label_values(&[name]).get(),
+                    "inflight": metrics.inflight.with_label_values(&[name]).get(),
+                })
+            }).collect::<Vec<_>>(),
+        })
+    })
+}
+
+async fn wait_for_stop_signal() -> Result<(), DaemonError> {
+    let mut term = signal(SignalKind::terminate()).map_err(DaemonError::Signal)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(DaemonError::Signal)?;
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM"),
+        _ = int.recv() => tracing::info!("SIGINT"),
+    }
+    Ok(())
+}

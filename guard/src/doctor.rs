@@ -1,0 +1,128 @@
+//! `guard doctor`: one line per thing guard needs from this host, ok or missing with the fix.
+
+use std::{net::TcpStream, path::Path, time::Duration};
+
+use crate::{config::Config, reap::ebpf};
+
+/// One check's outcome.
+pub struct Check {
+    pub name: &'static str,
+    /// What was found, or what is missing and how to fix it.
+    pub result: Result<String, String>,
+}
+
+/// Runs every check against `config`.
+pub fn run(config: &Config) -> Vec<Check> {
+    let mut checks: Vec<Check> = ebpf::preflight()
+        .into_iter()
+        .map(|(name, result)| Check { name, result })
+        .collect();
+    checks.push(Check {
+        name: "cgroups",
+        result: cgroups(),
+    });
+    checks.push(Check {
+        name: "NVIDIA GPU (NVML)",
+        result: nvml(),
+    });
+    checks.push(Check {
+        name: "upstream",
+        result: upstream(config),
+    });
+    for (name, addr) in [
+        ("server.listen", config.server.listen),
+        ("metrics.listen", config.metrics.listen),
+    ] {
+        checks.push(Check {
+            name,
+            result: match std::net::TcpListener::bind(addr) {
+                Ok(_) => Ok(format!("{addr} is free")),
+                Err(err) => Err(format!(
+                    "{addr}: {err} (another guard running? else change {name})"
+                )),
+            },
+        });
+    }
+    checks
+}
+
+/// Renders checks one per line; the bool says whether all passed.
+pub fn render(checks: &[Check]) -> (String, bool) {
+    let mut out = String::new();
+    let mut all_ok = true;
+    for check in checks {
+        let (word, text) = match &check.result {
+            Ok(text) => ("ok     ", text),
+            Err(text) => {
+                all_ok = false;
+                ("missing", text)
+            }
+        };
+        out.push_str(&format!("{word} {:<38} {text}\n", check.name));
+    }
+    (out, all_ok)
+}
+
+fn cgroups() -> Result<String, String> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").map_err(|e| e.to_string())?;
+    let v2 = mounts
+        .lines()
+        .find(|l| l.split(' ').nth(2) == Some("cgroup2"))
+        .and_then(|l| l.split(' ').nth(1));
+    let v1_cpu = Path::new("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists();
+    let v1_freezer = Path::new("/sys/fs/cgroup/freezer").is_dir();
+    let v2_cpu = v2
+        .and_then(|root| std::fs::read_to_string(Path::new(root).join("cgroup.controllers")).ok())
+        .is_some_and(|controllers| controllers.split_whitespace().any(|c| c == "cpu"));
+    match v2 {
+        None if !v1_cpu && !v1_freezer => {
+            Err("no cgroup filesystem mounted: mount cgroup2 at /sys/fs/cgroup".to_owned())
+        }
+        _ => Ok(format!(
+            "v2 at {} (freeze{}), v1 cpu quota {}, v1 freezer {}",
+            v2.unwrap_or("-"),
+            if v2_cpu {
+                ", cpu.max"
+            } else {
+                "; no cpu controller"
+            },
+            if v1_cpu { "yes" } else { "no" },
+            if v1_freezer { "yes" } else { "no" },
+        )),
+    }
+}
+
+fn nvml() -> Result<String, String> {
+    const LIBRARY_DIRS: &[&str] = &[
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib",
+        "/usr/local/nvidia/lib64",
+    ];
+    LIBRARY_DIRS
+        .iter()
+        .map(|dir| Path::new(dir).join("libnvidia-ml.so.1"))
+        .find(|path| path.exists())
+        .map(|path| format!("{} present", path.display()))
+        .ok_or_else(|| {
+            "no libnvidia-ml.so.1: no NVIDIA driver here; GPU metrics stay off \
+             (guard_gpu_available 0). Install the driver where there is a GPU."
+                .to_owned()
+        })
+}
+
+fn upstream(config: &Config) -> Result<String, String> {
+    let authority = crate::config::upstream_authority(&config.upstream.url)?;
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(authority.as_str())
+        .map_err(|e| format!("{authority}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{authority} resolves to nothing"))?;
+    TcpStream::connect_timeout(&addr, Duration::from_secs(2))
+        .map(|_| format!("{} accepts connections", config.upstream.url))
+        .map_err(|err| {
+            format!(
+                "{}: {err}: start the inference server there, or set upstream.url",
+                config.upstream.url
+            )
+        })
+}

@@ -1,0 +1,12 @@
+//! guard: a host agent in front of a local inference server. It queues requests per class,
+//! rejects early what cannot be served in time, reaps work whose client has gone, and makes
+//! quiet failures visible as metrics.
+
+pub mod cli;
+pub mod config;
+pub mod daemon;
+pub mod doctor;
+pub mod metrics;
+pub mod proxy;
+pub mod reap;
+pub mod status;

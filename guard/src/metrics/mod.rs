@@ -1,0 +1,211 @@
+//! guard's Prometheus metrics (DESIGN section 7) and the listener that serves them.
+
+mod server;
+
+use prometheus::{
+    Encoder as _, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+pub use server::{StatusFn, serve};
+
+/// Buckets for waits and latencies, from 1 ms to 5 minutes.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+];
+
+/// Buckets for reap latency, from 10 µs to 5 s.
+const REAP_BUCKETS: &[f64] = &[
+    0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0,
+];
+
+/// Every metric guard exports. Cheap to clone: each field is a handle.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    pub requests_total: IntCounterVec,
+    pub rejected_total: IntCounterVec,
+    pub reaped_total: IntCounterVec,
+    pub queue_depth: IntGaugeVec,
+    pub inflight: IntGaugeVec,
+    pub queue_wait_seconds: HistogramVec,
+    pub ttft_seconds: HistogramVec,
+    pub request_duration_seconds: HistogramVec,
+    pub reap_latency_seconds: Histogram,
+    pub ebpf_attached: IntGauge,
+    pub ebpf_events_total: IntCounter,
+    pub ebpf_ring_drops_total: IntCounter,
+    pub passthrough_requests_total: IntCounterVec,
+    pub config_reloads_total: IntCounterVec,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let class = &["class"];
+        let metrics = Self {
+            requests_total: counter_vec(
+                "guard_requests_total",
+                "Requests to queued endpoints by class and final outcome (completed, rejected, reaped, failed).",
+                &["class", "outcome"],
+            ),
+            rejected_total: counter_vec(
+                "guard_rejected_total",
+                "Requests answered 503 by class and reason (queue_full, deadline, shutting_down).",
+                &["class", "reason"],
+            ),
+            reaped_total: counter_vec(
+                "guard_reaped_total",
+                "Requests whose client left, by class and stage (queued, running).",
+                &["class", "stage"],
+            ),
+            queue_depth: gauge_vec("guard_queue_depth", "Requests waiting, by class.", class),
+            inflight: gauge_vec(
+                "guard_inflight",
+                "Requests running at the upstream, by class.",
+                class,
+            ),
+            queue_wait_seconds: histogram_vec(
+                "guard_queue_wait_seconds",
+                "Time from arrival to dispatch (or to leaving the queue).",
+                class,
+            ),
+            ttft_seconds: histogram_vec(
+                "guard_ttft_seconds",
+                "Time from arrival to the first response byte sent to the client.",
+                class,
+            ),
+            request_duration_seconds: histogram_vec(
+                "guard_request_duration_seconds",
+                "Time from arrival to the last response byte.",
+                class,
+            ),
+            reap_latency_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "guard_reap_latency_seconds",
+                    "Time from the kernel's close event to the request dropped or aborted.",
+                )
+                .buckets(REAP_BUCKETS.to_vec()),
+            )
+            .expect("valid histogram"),
+            ebpf_attached: IntGauge::new(
+                "guard_ebpf_attached",
+                "1 while guard's eBPF program is attached to sock/inet_sock_set_state.",
+            )
+            .expect("valid gauge"),
+            ebpf_events_total: IntCounter::new(
+                "guard_ebpf_events_total",
+                "Socket state changes the eBPF program sent to user space.",
+            )
+            .expect("valid counter"),
+            ebpf_ring_drops_total: IntCounter::new(
+                "guard_ebpf_ring_drops_total",
+                "Socket state changes lost because the eBPF ring buffer was full.",
+            )
+            .expect("valid counter"),
+            passthrough_requests_total: counter_vec(
+                "guard_passthrough_requests_total",
+                "Requests to endpoints guard does not queue, passed straight through, by status code.",
+                &["code"],
+            ),
+            config_reloads_total: counter_vec(
+                "guard_config_reloads_total",
+                "SIGHUP reloads by result (applied, refused).",
+                &["result"],
+            ),
+            registry,
+        };
+        metrics.register_all();
+        metrics
+    }
+
+    fn register_all(&self) {
+        let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
+            Box::new(self.requests_total.clone()),
+            Box::new(self.rejected_total.clone()),
+            Box::new(self.reaped_total.clone()),
+            Box::new(self.queue_depth.clone()),
+            Box::new(self.inflight.clone()),
+            Box::new(self.queue_wait_seconds.clone()),
+            Box::new(self.ttft_seconds.clone()),
+            Box::new(self.request_duration_seconds.clone()),
+            Box::new(self.reap_latency_seconds.clone()),
+            Box::new(self.ebpf_attached.clone()),
+            Box::new(self.ebpf_events_total.clone()),
+            Box::new(self.ebpf_ring_drops_total.clone()),
+            Box::new(self.passthrough_requests_total.clone()),
+            Box::new(self.config_reloads_total.clone()),
+        ];
+        for collector in collectors {
+            self.registry
+                .register(collector)
+                .expect("metric names are unique");
+        }
+    }
+
+    /// Registers a collector of another module (watchers add theirs).
+    pub fn register(&self, collector: Box<dyn prometheus::core::Collector>) {
+        if let Err(err) = self.registry.register(collector) {
+            tracing::error!(%err, "metric registration failed");
+        }
+    }
+
+    /// Makes every per-class series exist at zero, so dashboards and `absent()` alerts see
+    /// classes before their first request.
+    pub fn init_class(&self, class: &str) {
+        for outcome in ["completed", "rejected", "reaped", "failed"] {
+            self.requests_total.with_label_values(&[class, outcome]);
+        }
+        for reason in ["queue_full", "deadline", "shutting_down"] {
+            self.rejected_total.with_label_values(&[class, reason]);
+        }
+        for stage in ["queued", "running"] {
+            self.reaped_total.with_label_values(&[class, stage]);
+        }
+        self.queue_depth.with_label_values(&[class]);
+        self.inflight.with_label_values(&[class]);
+        self.queue_wait_seconds.with_label_values(&[class]);
+        self.ttft_seconds.with_label_values(&[class]);
+        self.request_duration_seconds.with_label_values(&[class]);
+    }
+
+    /// Brings a counter that mirrors a monotonic source (a kernel counter) up to `value`.
+    pub fn mirror(counter: &IntCounter, value: u64) {
+        let current = counter.get();
+        if value > current {
+            counter.inc_by(value - current);
+        }
+    }
+
+    /// The Prometheus text exposition of everything registered.
+    pub fn render(&self) -> String {
+        let mut buffer = Vec::new();
+        if let Err(err) = TextEncoder::new().encode(&self.registry.gather(), &mut buffer) {
+            tracing::error!(%err, "encoding metrics failed");
+        }
+        String::from_utf8(buffer).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    IntCounterVec::new(Opts::new(name, help), labels).expect("valid counter")
+}
+
+fn gauge_vec(name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    IntGaugeVec::new(Opts::new(name, help), labels).expect("valid gauge")
+}
+
+fn histogram_vec(name: &str, help: &str, labels: &[&str]) -> HistogramVec {
+    HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
+        labels,
+    )
+    .expect("valid histogram")
+}

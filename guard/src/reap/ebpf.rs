@@ -1,0 +1,415 @@
+//! Loads and attaches guard's eBPF program (guard-ebpf), and offers what it sees: a stream of
+//! connection events for watched ports, and who opened a connection.
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::Path,
+    sync::{Arc, Mutex},
+};
+
+use aya::{
+    Ebpf,
+    maps::{HashMap, MapData, PerCpuArray, RingBuf},
+    programs::TracePoint,
+};
+use guard_common::{
+    AF_INET, AF_INET6, Owner, OwnerKey, SockEvent, counter, tracepoint_offsets as off,
+};
+use tokio::{io::unix::AsyncFd, sync::mpsc, task::JoinHandle};
+
+use super::{event::ConnEvent, mounts};
+
+/// Events waiting for their consumer; beyond this the reader waits and the kernel's ring
+/// buffer absorbs (and counts) the excess.
+const CHANNEL_CAPACITY: usize = 16_384;
+
+/// Why the kernel half cannot run. Each message says what is missing and how to fix it.
+#[derive(Debug, thiserror::Error)]
+pub enum EbpfError {
+    #[error("disabled in the config (ebpf.enabled = false)")]
+    Disabled,
+    #[error(
+        "no permission to load eBPF programs: run as root, or grant CAP_BPF and CAP_PERFMON \
+         (the systemd unit does)"
+    )]
+    Permission,
+    #[error("tracefs is not mounted and mounting it at /sys/kernel/tracing failed: {0}")]
+    Tracefs(nix::Error),
+    #[error(
+        "this kernel has no tracepoint sock/inet_sock_set_state (Linux 4.16 or newer has it): \
+         {0}"
+    )]
+    NoTracepoint(std::io::Error),
+    #[error(
+        "the tracepoint's field `{field}` is at offset {found:?} on this kernel, guard expects \
+         {expected}: this kernel is not supported yet"
+    )]
+    FormatMismatch {
+        field: &'static str,
+        expected: usize,
+        found: Option<usize>,
+    },
+    #[error("the kernel refused guard's eBPF object: {0}")]
+    Load(#[from] aya::EbpfError),
+    #[error("the kernel refused guard's eBPF program: {0}")]
+    Program(#[from] aya::programs::ProgramError),
+    #[error("guard's eBPF map `{name}`: {source}")]
+    Map {
+        name: &'static str,
+        source: aya::maps::MapError,
+    },
+    #[error("guard's eBPF map `{0}` is missing from the object")]
+    MissingMap(&'static str),
+    #[error("reading guard's eBPF events: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// The process that opened a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnOwner {
+    /// The thread that called `connect()`.
+    pub pid: u32,
+    /// Its process (what `ps` shows as PID).
+    pub tgid: u32,
+    /// cgroup v2 id: the inode number of the cgroup's directory.
+    pub cgroup_id: u64,
+}
+
+/// guard's attached eBPF program and its maps. Dropping it detaches everything.
+pub struct EbpfTracker {
+    watched: Mutex<HashMap<MapData, u16, u8>>,
+    owners: HashMap<MapData, OwnerKey, Owner>,
+    counters: PerCpuArray<MapData, u64>,
+    tasks: Vec<JoinHandle<()>>,
+    // Last, so the program is detached after the tasks that read its maps are told to stop.
+    _ebpf: Ebpf,
+}
+
+impl EbpfTracker {
+    /// Loads and attaches the program, watching `ports`. The receiver yields every state change
+    /// of a connection on a watched port (either end local). Needs a tokio runtime.
+    pub fn attach(ports: &[u16]) -> Result<(Arc<Self>, mpsc::Receiver<ConnEvent>), EbpfError> {
+        check_capabilities()?;
+        let tracefs = mounts::ensure_tracefs().map_err(EbpfError::Tracefs)?;
+        if let Err(err) = mounts::ensure_bpffs() {
+            // Nothing is pinned, so a missing bpffs costs only bpftool's view of our maps.
+            tracing::warn!(%err, "could not mount bpffs at /sys/fs/bpf");
+        }
+        check_format(&mounts::tracepoint_format(tracefs).map_err(EbpfError::NoTracepoint)?)?;
+
+        let mut ebpf = Ebpf::load(aya::include_bytes_aligned!(concat!(
+            env!("OUT_DIR"),
+            "/guard-ebpf"
+        )))?;
+        let mut tasks = Vec::new();
+        match aya_log::EbpfLogger::init(&mut ebpf) {
+            Ok(logger) => tasks.push(tokio::spawn(forward_logs(logger))),
+            Err(err) => tracing::warn!(%err, "eBPF log records will not be shown"),
+        }
+        let mut watched: HashMap<MapData, u16, u8> = take_map(&mut ebpf, "WATCHED_PORTS")?;
+        for &port in ports {
+            watched
+                .insert(port, 1, 0)
+                .map_err(map_error("WATCHED_PORTS"))?;
+        }
+        let owners = take_map(&mut ebpf, "OWNERS")?;
+        let counters = take_map(&mut ebpf, "COUNTERS")?;
+        let ring: RingBuf<MapData> = take_map(&mut ebpf, "EVENTS")?;
+
+        let program: &mut TracePoint = ebpf
+            .program_mut("inet_sock_set_state")
+            .ok_or(EbpfError::MissingMap("inet_sock_set_state"))?
+            .try_into()?;
+        program.load()?;
+        program.attach("sock", "inet_sock_set_state")?;
+
+        let (sender, receiver) = mpsc::channel(CHANNEL_CAPACITY);
+        tasks.push(tokio::spawn(read_events(register(ring)?, sender)));
+        let tracker = Self {
+            watched: Mutex::new(watched),
+            owners,
+            counters,
+            tasks,
+            _ebpf: ebpf,
+        };
+        Ok((Arc::new(tracker), receiver))
+    }
+
+    /// Starts sending events for connections on `port`.
+    pub fn watch_port(&self, port: u16) -> Result<(), EbpfError> {
+        self.watched
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(port, 1, 0)
+            .map_err(map_error("WATCHED_PORTS"))
+    }
+
+    /// Stops sending events for connections on `port`.
+    pub fn unwatch_port(&self, port: u16) -> Result<(), EbpfError> {
+        let mut watched = self
+            .watched
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match watched.remove(&port) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+            Err(source) => Err(EbpfError::Map {
+                name: "WATCHED_PORTS",
+                source,
+            }),
+        }
+    }
+
+    /// Who opened the connection whose client end is `client` (a local process connecting to
+    /// a watched port), where the kernel saw its `connect()`.
+    pub fn owner(&self, client: SocketAddr) -> Option<ConnOwner> {
+        owner_keys(client)
+            .into_iter()
+            .find_map(|key| self.owners.get(&key, 0).ok())
+            .map(|owner| ConnOwner {
+                pid: owner.pid,
+                tgid: owner.tgid,
+                cgroup_id: owner.cgroup_id,
+            })
+    }
+
+    /// Events the kernel could not put in the ring buffer since attach.
+    pub fn ring_drops(&self) -> u64 {
+        self.counter(counter::RING_DROPS)
+    }
+
+    /// Events the kernel sent since attach.
+    pub fn events_sent(&self) -> u64 {
+        self.counter(counter::EVENTS)
+    }
+
+    fn counter(&self, index: u32) -> u64 {
+        self.counters
+            .get(&index, 0)
+            .map(|per_cpu| per_cpu.iter().sum())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for EbpfTracker {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// The owner-map keys a client address may have been recorded under: an IPv4 client may have
+/// connected from an AF_INET socket or, IPv4-mapped, from an AF_INET6 one.
+fn owner_keys(client: SocketAddr) -> Vec<OwnerKey> {
+    let key = |family, addr| OwnerKey {
+        addr,
+        port: client.port(),
+        family,
+        _pad: 0,
+    };
+    match client.ip().to_canonical() {
+        IpAddr::V4(v4) => {
+            let mut plain = [0u8; 16];
+            plain[..4].copy_from_slice(&v4.octets());
+            vec![
+                key(AF_INET, plain),
+                key(AF_INET6, v4.to_ipv6_mapped().octets()),
+            ]
+        }
+        IpAddr::V6(v6) => vec![key(AF_INET6, v6.octets())],
+    }
+}
+
+async fn read_events(mut ring: AsyncFd<RingBuf<MapData>>, sender: mpsc::Sender<ConnEvent>) {
+    let mut batch = Vec::new();
+    loop {
+        let mut ready = match ring.readable_mut().await {
+            Ok(ready) => ready,
+            Err(err) => {
+                tracing::error!(%err, "eBPF event ring buffer failed; no more close events");
+                return;
+            }
+        };
+        let events = ready.get_inner_mut();
+        while let Some(item) = events.next() {
+            if item.len() >= size_of::<SockEvent>() {
+                // SAFETY: the kernel wrote a SockEvent here (checked length); read_unaligned
+                // makes no alignment assumption, and SockEvent is valid for any bit pattern.
+                let raw = unsafe { item.as_ptr().cast::<SockEvent>().read_unaligned() };
+                batch.push(ConnEvent::from(&raw));
+            }
+        }
+        ready.clear_ready();
+        for event in batch.drain(..) {
+            if sender.send(event).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+async fn forward_logs(logger: aya_log::EbpfLogger<&'static dyn log::Log>) {
+    let Ok(mut logger) = register(logger) else {
+        return;
+    };
+    while let Ok(mut ready) = logger.readable_mut().await {
+        ready.get_inner_mut().flush();
+        ready.clear_ready();
+    }
+}
+
+/// Registers a map's descriptor with tokio's reactor.
+fn register<T: std::os::fd::AsRawFd>(inner: T) -> std::io::Result<AsyncFd<T>> {
+    // SAFETY: `inner` (a ring buffer map or the logger that owns one) owns its descriptor until
+    // it is dropped, and as_raw_fd() always returns that same descriptor.
+    unsafe { AsyncFd::register(inner) }.map_err(|err| std::io::Error::other(err.to_string()))
+}
+
+fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, EbpfError>
+where
+    T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf.take_map(name).ok_or(EbpfError::MissingMap(name))?;
+    T::try_from(map).map_err(map_error(name))
+}
+
+fn map_error(name: &'static str) -> impl Fn(aya::maps::MapError) -> EbpfError {
+    move |source| EbpfError::Map { name, source }
+}
+
+/// Fails early, with a message that says what to grant, where loading would get EPERM.
+fn check_capabilities() -> Result<(), EbpfError> {
+    const CAP_SYS_ADMIN: u32 = 21;
+    const CAP_PERFMON: u32 = 38;
+    const CAP_BPF: u32 = 39;
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    let effective = status
+        .lines()
+        .find_map(|line| line.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or(0);
+    let has = |cap: u32| effective & (1 << cap) != 0;
+    if has(CAP_SYS_ADMIN) || (has(CAP_BPF) && has(CAP_PERFMON)) {
+        Ok(())
+    } else {
+        Err(EbpfError::Permission)
+    }
+}
+
+/// Checks that this kernel lays out the tracepoint's record as guard-ebpf reads it.
+fn check_format(format: &str) -> Result<(), EbpfError> {
+    let expected = [
+        ("skaddr", off::SKADDR),
+        ("oldstate", off::OLDSTATE),
+        ("newstate", off::NEWSTATE),
+        ("sport", off::SPORT),
+        ("dport", off::DPORT),
+        ("family", off::FAMILY),
+        ("protocol", off::PROTOCOL),
+        ("saddr", off::SADDR),
+        ("daddr", off::DADDR),
+        ("saddr_v6", off::SADDR_V6),
+        ("daddr_v6", off::DADDR_V6),
+    ];
+    for (field, expected) in expected {
+        let found = field_offset(format, field);
+        if found != Some(expected) {
+            return Err(EbpfError::FormatMismatch {
+                field,
+                expected,
+                found,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The offset of `field` in a tracepoint format file.
+fn field_offset(format: &str, field: &str) -> Option<usize> {
+    format.lines().find_map(|line| {
+        let mut parts = line.trim().split(';');
+        let declaration = parts.next()?.trim();
+        let name = declaration.rsplit([' ', '*']).next()?;
+        let name = name.split('[').next()?;
+        if name != field {
+            return None;
+        }
+        parts
+            .find_map(|part| part.trim().strip_prefix("offset:"))?
+            .parse()
+            .ok()
+    })
+}
+
+/// Whether the host offers what the loader needs, for `guard doctor`: each item is a check
+/// name and the problem, if any.
+pub fn preflight() -> Vec<(&'static str, Result<String, String>)> {
+    let btf = Path::new("/sys/kernel/btf/vmlinux");
+    vec![
+        (
+            "bpf capabilities",
+            check_capabilities()
+                .map(|()| "CAP_BPF and CAP_PERFMON (or CAP_SYS_ADMIN) held".to_owned())
+                .map_err(|err| err.to_string()),
+        ),
+        (
+            "kernel BTF",
+            if btf.exists() {
+                Ok(btf.display().to_string())
+            } else {
+                Err(
+                    "no /sys/kernel/btf/vmlinux: not needed by guard's tracepoint, but \
+                     bpftool and CO-RE tools want CONFIG_DEBUG_INFO_BTF=y"
+                        .to_owned(),
+                )
+            },
+        ),
+        (
+            "tracepoint sock/inet_sock_set_state",
+            mounts::ensure_tracefs()
+                .map_err(|err| EbpfError::Tracefs(err).to_string())
+                .and_then(|tracefs| {
+                    let format = mounts::tracepoint_format(tracefs)
+                        .map_err(|err| EbpfError::NoTracepoint(err).to_string())?;
+                    check_format(&format).map_err(|err| err.to_string())?;
+                    Ok(format!("{} (layout as expected)", tracefs.display()))
+                }),
+        ),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FORMAT: &str = "name: inet_sock_set_state\nformat:\n\tfield:const void * skaddr;\toffset:8;\tsize:8;\tsigned:0;\n\tfield:__u8 saddr_v6[16];\toffset:40;\tsize:16;\tsigned:0;\n\tfield:__u16 sport;\toffset:24;\tsize:2;\tsigned:0;\n";
+
+    #[test]
+    fn field_offsets_are_read_from_the_format_file() {
+        assert_eq!(field_offset(FORMAT, "skaddr"), Some(8));
+        assert_eq!(field_offset(FORMAT, "saddr_v6"), Some(40));
+        assert_eq!(field_offset(FORMAT, "sport"), Some(24));
+        assert_eq!(field_offset(FORMAT, "dport"), None);
+    }
+
+    #[test]
+    fn a_different_layout_is_refused_by_name() {
+        let moved = FORMAT.replace("offset:24", "offset:26");
+        let full = format!(
+            "{moved}\tfield:int oldstate;\toffset:16;\n\tfield:int newstate;\toffset:20;\n"
+        );
+        match check_format(&full) {
+            Err(EbpfError::FormatMismatch { field, .. }) => assert_eq!(field, "sport"),
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn v4_clients_are_looked_up_both_ways() {
+        let keys = owner_keys("127.0.0.1:4000".parse().expect("addr"));
+        assert_eq!(keys.len(), 2);
+        assert_eq!(keys[0].family, AF_INET);
+        assert_eq!(&keys[0].addr[..4], &[127, 0, 0, 1]);
+        assert_eq!(keys[1].family, AF_INET6);
+    }
+}

@@ -1,0 +1,154 @@
+//! Shared pieces of guard's integration tests: root checks, RAII guards for cgroups, and
+//! waiting on event streams without sleeping.
+
+use std::{
+    os::unix::fs::MetadataExt as _,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use tokio::sync::mpsc;
+
+/// How long a test waits for something the kernel should deliver at once; reaching it fails.
+pub const DELIVERY_BOUND: Duration = Duration::from_secs(20);
+
+/// Panics unless the test runs as root: these tests load eBPF and write cgroups.
+pub fn require_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "this test needs root (eBPF, cgroups): run it through `cargo xtask test` as root"
+    );
+}
+
+/// Receives items until `done` says the collection is complete; panics after
+/// [`DELIVERY_BOUND`] with what arrived so far.
+pub async fn collect_until<T: std::fmt::Debug>(
+    receiver: &mut mpsc::Receiver<T>,
+    mut done: impl FnMut(&[T]) -> bool,
+) -> Vec<T> {
+    let mut seen = Vec::new();
+    let collect = async {
+        while !done(&seen) {
+            match receiver.recv().await {
+                Some(item) => seen.push(item),
+                None => break,
+            }
+        }
+    };
+    if tokio::time::timeout(DELIVERY_BOUND, collect).await.is_err() || !done(&seen) {
+        let tail: Vec<_> = seen.iter().rev().take(10).collect();
+        panic!(
+            "not delivered within {DELIVERY_BOUND:?}: {} items arrived, last ones {tail:?}",
+            seen.len()
+        );
+    }
+    seen
+}
+
+/// The cgroup v2 mount point.
+pub fn cgroup2_root() -> PathBuf {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").expect("read /proc/self/mounts");
+    mounts
+        .lines()
+        .find(|line| line.split(' ').nth(2) == Some("cgroup2"))
+        .and_then(|line| line.split(' ').nth(1))
+        .map(PathBuf::from)
+        .expect("no cgroup2 filesystem mounted")
+}
+
+/// A cgroup made for one test; removed on drop, its processes moved back to the parent.
+pub struct TestCgroup {
+    pub path: PathBuf,
+}
+
+impl TestCgroup {
+    /// Makes `<parent>/<name>-<pid>`.
+    pub fn new(parent: &Path, name: &str) -> Self {
+        let path = parent.join(format!("{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&path)
+            .unwrap_or_else(|err| panic!("create cgroup {}: {err}", path.display()));
+        Self { path }
+    }
+
+    /// The cgroup id the kernel reports (`bpf_get_current_cgroup_id`): the directory's inode.
+    pub fn id(&self) -> u64 {
+        std::fs::metadata(&self.path).expect("stat cgroup").ino()
+    }
+
+    /// Moves a process into this cgroup.
+    pub fn add(&self, pid: u32) {
+        std::fs::write(self.path.join("cgroup.procs"), pid.to_string())
+            .unwrap_or_else(|err| panic!("move {pid} into {}: {err}", self.path.display()));
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        let parent = self.path.parent().map(|p| p.join("cgroup.procs"));
+        if let (Ok(procs), Some(parent)) = (
+            std::fs::read_to_string(self.path.join("cgroup.procs")),
+            parent,
+        ) {
+            for pid in procs.lines() {
+                let _ = std::fs::write(&parent, pid);
+            }
+        }
+        if let Err(err) = std::fs::remove_dir(&self.path) {
+            eprintln!("could not remove cgroup {}: {err}", self.path.display());
+        }
+    }
+}
+
+/// A child process killed and reaped on drop.
+pub struct ChildGuard(pub std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The `guard` binary cargo built beside this test binary (target/<profile>/guard).
+pub fn guard_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("GUARD_BIN") {
+        return PathBuf::from(path);
+    }
+    let exe = std::env::current_exe().expect("current exe");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test binaries live in target/<profile>/deps");
+    let bin = profile_dir.join("guard");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first (`cargo build -p guard`, or `cargo xtask test`)",
+        bin.display()
+    );
+    bin
+}
+
+/// A loopback address with a port that was free a moment ago.
+pub fn free_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind an ephemeral port")
+}
+
+/// A temporary directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).expect("create temp dir");
+        Self(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

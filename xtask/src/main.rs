@@ -1,0 +1,46 @@
+//! Project tasks, run with `cargo xtask <task>`: setup, test, demo, bench.
+//!
+//! xtask never depends on guard itself: it must build on a fresh machine before `setup` has
+//! installed what guard's eBPF build needs.
+
+mod llama;
+mod setup;
+mod tasks;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "guard's project tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install everything the build and the tests need (idempotent: seconds when present).
+    Setup,
+    /// Set up, then run every test, including the root tests on the real kernel.
+    Test {
+        /// Extra arguments for the test binaries (a name filter, --nocapture, ...).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Set up, then run guard in front of a real tiny model and show what it does.
+    Demo,
+    /// Benchmarks that print ratios measured side by side in one run.
+    Bench {
+        #[arg(value_enum)]
+        which: tasks::Bench,
+    },
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().task {
+        Task::Setup => setup::all().map(|_| ()),
+        Task::Test { args } => tasks::test(&args),
+        Task::Demo => tasks::demo(),
+        Task::Bench { which } => tasks::bench(which),
+    }
+}

@@ -1,0 +1,86 @@
+//! `cargo xtask test | demo | bench`: each sets up first, then runs.
+
+use std::process::Command;
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::setup::{self, Installed, run};
+
+/// The benchmarks, each a bench target of the guard-tests package.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum Bench {
+    /// eBPF close-event delivery latency, sustained rate and CPU per event.
+    Ebpf,
+}
+
+impl Bench {
+    fn target(self) -> &'static str {
+        match self {
+            Self::Ebpf => "ebpf",
+        }
+    }
+}
+
+/// Builds everything, then runs all tests in a fresh network namespace of their own (only a
+/// loopback), so they neither see nor disturb the host's ports.
+pub fn test(args: &[String]) -> Result<()> {
+    require_root("the tests load eBPF programs and write cgroups")?;
+    let installed = setup::all()?;
+    run(cargo().args(["build", "--workspace", "--all-targets"])).context("the build failed")?;
+    let mut test = Command::new("unshare");
+    test.args(["--net", "--", "sh", "-c"])
+        .arg(r#"ip link set lo up && exec "$0" test --workspace --offline -- "$@""#)
+        .arg(cargo_path())
+        .args(args);
+    export(&mut test, &installed);
+    run(&mut test).context("tests failed")
+}
+
+/// For now: guard with its built-in defaults, in front of nothing yet; says where it listens.
+pub fn demo() -> Result<()> {
+    let installed = setup::all()?;
+    run(cargo().args(["build", "--release", "-p", "guard"])).context("the build failed")?;
+    eprintln!(
+        "demo: guard listens on 127.0.0.1:11434 (proxy to 127.0.0.1:11435) and serves \
+         http://127.0.0.1:9464/metrics and /status; Ctrl-C stops it"
+    );
+    let mut guard = Command::new("target/release/guard");
+    guard.arg("run");
+    export(&mut guard, &installed);
+    run(&mut guard)
+}
+
+pub fn bench(which: Bench) -> Result<()> {
+    require_root("the benchmarks load eBPF programs")?;
+    let installed = setup::all()?;
+    let mut bench = cargo();
+    bench.args(["bench", "-p", "guard-tests", "--bench", which.target()]);
+    export(&mut bench, &installed);
+    run(&mut bench)
+}
+
+/// Tells tests and benchmarks where setup put the real servers.
+fn export(command: &mut Command, installed: &Installed) {
+    command
+        .env("GUARD_LLAMA_SERVER", &installed.llama.server)
+        .env("GUARD_LLAMA_MODEL", &installed.llama.model);
+}
+
+fn cargo_path() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
+}
+
+fn cargo() -> Command {
+    Command::new(cargo_path())
+}
+
+fn require_root(why: &str) -> Result<()> {
+    let uid = Command::new("id")
+        .arg("-u")
+        .output()
+        .context("running id -u")?;
+    if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
+        bail!("run this as root: {why}");
+    }
+    Ok(())
+}
