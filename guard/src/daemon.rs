@@ -3,7 +3,10 @@
 use std::{
     net::SocketAddr,
     path::PathBuf,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -17,7 +20,8 @@ use crate::{
     config::Config,
     metrics::{self, Metrics},
     proxy::{self, Proxy, ProxyError},
-    reap::{ConnEvent, EbpfError, EbpfTracker},
+    queue::Scheduler,
+    reap::{ConnEvent, EbpfError, EbpfTracker, reaper, registry::Registry},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -56,18 +60,44 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
 
     let (ebpf, events) = start_ebpf(&config, listen_port);
     metrics.ebpf_attached.set(i64::from(ebpf.tracker.is_some()));
+    let tracker = ebpf.tracker.clone();
     let ebpf = Arc::new(Mutex::new(ebpf));
+    let connections = Arc::new(Registry::default());
+    let half_close = Arc::new(AtomicBool::new(config.server.half_close_means_gone));
     if let Some(events) = events {
-        tokio::spawn(consume_events(events));
+        tokio::spawn(reaper::run(
+            events,
+            Arc::clone(&connections),
+            listen_port,
+            Arc::clone(&half_close),
+        ));
     }
 
-    let status = status_fn(&config, config_path, &metrics, Arc::clone(&ebpf), started);
+    let scheduler = Scheduler::new(&config, metrics.clone());
+    let proxy = Arc::new(Proxy::new(
+        &config,
+        metrics.clone(),
+        Arc::clone(&scheduler),
+        connections,
+        tracker,
+    )?);
+    let status = status_fn(
+        &config,
+        config_path.clone(),
+        &metrics,
+        Arc::clone(&ebpf),
+        Arc::clone(&scheduler),
+        started,
+    );
     let metrics_task = tokio::spawn(metrics::serve(metrics_listener, metrics.clone(), status));
-
-    let proxy = Arc::new(Proxy::new(&config, metrics.clone())?);
     let (stop, stopped) = watch::channel(false);
     let grace = Duration::from_millis(config.server.drain_grace_ms);
-    let proxy_task = tokio::spawn(proxy::serve(proxy_listener, proxy, stopped, grace));
+    let proxy_task = tokio::spawn(proxy::serve(
+        proxy_listener,
+        Arc::clone(&proxy),
+        stopped,
+        grace,
+    ));
     tracing::info!(
         listen = %config.server.listen,
         upstream = %config.upstream.url,
@@ -75,9 +105,23 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
         "guard is serving"
     );
 
-    wait_for_stop_signal().await?;
-    tracing::info!("stopping: no new connections; open ones may finish");
+    let mut config = config;
+    let mut hangup = signal(SignalKind::hangup()).map_err(DaemonError::Signal)?;
+    let stop_signal = wait_for_stop_signal();
+    tokio::pin!(stop_signal);
+    loop {
+        tokio::select! {
+            result = &mut stop_signal => { result?; break; }
+            _ = hangup.recv() => {
+                config = reload(config, config_path.as_deref(), &proxy, &metrics, &half_close);
+            }
+        }
+    }
+    tracing::info!(
+        "stopping: no new connections; queued requests get 503; running ones may finish"
+    );
     let _ = stop.send(true);
+    scheduler.shut_down();
     if let Err(err) = proxy_task.await {
         tracing::error!(%err, "proxy task failed");
     }
@@ -126,10 +170,50 @@ fn start_ebpf(config: &Config, port: u16) -> (EbpfState, Option<mpsc::Receiver<C
     }
 }
 
-/// Drains kernel events; the reaper takes them over where it runs.
-async fn consume_events(mut events: mpsc::Receiver<ConnEvent>) {
-    while let Some(event) = events.recv().await {
-        tracing::trace!(?event, "socket state change");
+/// SIGHUP: re-reads the config file; a bad one is refused and the running one kept.
+fn reload(
+    current: Config,
+    path: Option<&std::path::Path>,
+    proxy: &Proxy,
+    metrics: &Metrics,
+    half_close: &AtomicBool,
+) -> Config {
+    let Some(path) = path else {
+        tracing::warn!("SIGHUP: guard runs on built-in defaults; there is no file to reload");
+        return current;
+    };
+    match Config::load(path) {
+        Ok(next) => {
+            for (key, changed) in [
+                ("server.listen", next.server.listen != current.server.listen),
+                (
+                    "metrics.listen",
+                    next.metrics.listen != current.metrics.listen,
+                ),
+                ("upstream.url", next.upstream.url != current.upstream.url),
+                ("ebpf.enabled", next.ebpf.enabled != current.ebpf.enabled),
+            ] {
+                if changed {
+                    tracing::warn!(key, "SIGHUP: this key takes effect at the next start only");
+                }
+            }
+            proxy.reload(&next);
+            half_close.store(next.server.half_close_means_gone, Ordering::Relaxed);
+            metrics
+                .config_reloads_total
+                .with_label_values(&["applied"])
+                .inc();
+            tracing::info!(path = %path.display(), classes = %next.class_names(), "config reloaded");
+            next
+        }
+        Err(err) => {
+            metrics
+                .config_reloads_total
+                .with_label_values(&["refused"])
+                .inc();
+            tracing::error!("SIGHUP: config refused, the running one stays: {err}");
+            current
+        }
     }
 }
 
@@ -138,6 +222,7 @@ fn status_fn(
     config_path: Option<PathBuf>,
     metrics: &Metrics,
     ebpf: Arc<Mutex<EbpfState>>,
+    scheduler: Arc<Scheduler>,
     started: Instant,
 ) -> metrics::StatusFn {
     let config = config.clone();
@@ -162,16 +247,7 @@ fn status_fn(
                 "events_total": metrics.ebpf_events_total.get(),
                 "ring_drops_total": metrics.ebpf_ring_drops_total.get(),
             },
-            "classes": config.class.iter().map(|(name, class)| {
-                serde_json::json!({
-                    "name": name,
-                    "priority": class.priority,
-                    "max_queue": class.max_queue,
-                    "deadline_ms": class.deadline_ms,
-                    "queued": metrics.queue_depth.with_label_values(&[name]).get(),
-                    "inflight": metrics.inflight.with_label_values(&[name]).get(),
-                })
-            }).collect::<Vec<_>>(),
+            "classes": scheduler.snapshot(),
         })
     })
 }

@@ -2,11 +2,13 @@
 //! rejects early what cannot be served in time, reaps work whose client has gone, and makes
 //! quiet failures visible as metrics.
 
+pub mod classify;
 pub mod cli;
 pub mod config;
 pub mod daemon;
 pub mod doctor;
 pub mod metrics;
 pub mod proxy;
+pub mod queue;
 pub mod reap;
 pub mod status;

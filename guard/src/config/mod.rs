@@ -27,6 +27,7 @@ pub struct Config {
     pub upstream: UpstreamConfig,
     pub metrics: MetricsConfig,
     pub ebpf: EbpfConfig,
+    pub estimate: EstimateConfig,
     pub class: BTreeMap<String, ClassConfig>,
     pub classify: ClassifyConfig,
 }
@@ -75,6 +76,21 @@ pub struct MetricsConfig {
 pub struct EbpfConfig {
     /// Load the kernel program; with `false` guard detects closes in user space only.
     pub enabled: bool,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EstimateConfig {
+    /// Service time assumed before the first request completes.
+    pub initial_service_ms: u64,
+}
+
+impl Default for EstimateConfig {
+    fn default() -> Self {
+        Self {
+            initial_service_ms: 1_000,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -156,6 +172,7 @@ impl Default for Config {
             upstream: UpstreamConfig::default(),
             metrics: MetricsConfig::default(),
             ebpf: EbpfConfig::default(),
+            estimate: EstimateConfig::default(),
             class,
             classify: ClassifyConfig::default(),
         }

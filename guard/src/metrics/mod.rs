@@ -38,6 +38,9 @@ pub struct Metrics {
     pub ebpf_ring_drops_total: IntCounter,
     pub passthrough_requests_total: IntCounterVec,
     pub config_reloads_total: IntCounterVec,
+    pub admitted_total: IntCounterVec,
+    pub rejected_after_queueing_total: IntCounterVec,
+    pub invalid_requests_total: IntCounterVec,
 }
 
 impl Metrics {
@@ -114,6 +117,21 @@ impl Metrics {
                 "SIGHUP reloads by result (applied, refused).",
                 &["result"],
             ),
+            admitted_total: counter_vec(
+                "guard_admitted_total",
+                "Requests that entered a class queue (accepted).",
+                &["class"],
+            ),
+            rejected_after_queueing_total: counter_vec(
+                "guard_rejected_after_queueing_total",
+                "Accepted requests later answered 503 from the queue (deadline passed, shutting down).",
+                &["class", "reason"],
+            ),
+            invalid_requests_total: counter_vec(
+                "guard_invalid_requests_total",
+                "Requests to queued endpoints refused before queueing: malformed_json, body_too_large, unknown_class, body_read.",
+                &["reason"],
+            ),
             registry,
         };
         metrics.register_all();
@@ -136,6 +154,9 @@ impl Metrics {
             Box::new(self.ebpf_ring_drops_total.clone()),
             Box::new(self.passthrough_requests_total.clone()),
             Box::new(self.config_reloads_total.clone()),
+            Box::new(self.admitted_total.clone()),
+            Box::new(self.rejected_after_queueing_total.clone()),
+            Box::new(self.invalid_requests_total.clone()),
         ];
         for collector in collectors {
             self.registry
@@ -162,6 +183,11 @@ impl Metrics {
         }
         for stage in ["queued", "running"] {
             self.reaped_total.with_label_values(&[class, stage]);
+        }
+        self.admitted_total.with_label_values(&[class]);
+        for reason in ["deadline", "shutting_down"] {
+            self.rejected_after_queueing_total
+                .with_label_values(&[class, reason]);
         }
         self.queue_depth.with_label_values(&[class]);
         self.inflight.with_label_values(&[class]);

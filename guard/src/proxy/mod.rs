@@ -1,11 +1,20 @@
-//! The HTTP proxy from `server.listen` to the upstream inference server.
+//! The HTTP proxy from `server.listen` to the upstream inference server: generation endpoints
+//! go through the class queues, everything else passes straight through.
 
 pub mod error;
+mod queued;
+mod record;
+mod relay;
 pub mod upstream;
 
-use std::{convert::Infallible, sync::Arc, time::Duration};
+use std::{
+    convert::Infallible,
+    net::SocketAddr,
+    sync::{Arc, RwLock},
+    time::Duration,
+};
 
-use http::{Request, Response};
+use http::{Method, Request, Response};
 use http_body_util::BodyExt as _;
 use hyper::{body::Incoming, server::conn::http1, service::service_fn};
 use hyper_util::{
@@ -18,31 +27,97 @@ pub use error::{ErrorShape, ProxyError};
 pub use upstream::{Body, Upstream};
 
 use crate::{
+    classify::Classifier,
     config::{Api, Config},
     metrics::Metrics,
+    queue::Scheduler,
+    reap::{
+        EbpfTracker,
+        registry::{Connection, Registry},
+    },
 };
+
+/// Endpoints whose requests wait in the class queues (DESIGN section 6).
+const QUEUED_PATHS: &[&str] = &[
+    "/api/generate",
+    "/api/chat",
+    "/api/embed",
+    "/api/embeddings",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/completion",
+];
+
+/// The settings a SIGHUP can change.
+struct Settings {
+    classifier: Classifier,
+    api: Api,
+    body_limit: u64,
+}
 
 /// What every connection handler shares.
 pub struct Proxy {
     upstream: Upstream,
     metrics: Metrics,
-    api: Api,
+    scheduler: Arc<Scheduler>,
+    connections: Arc<Registry>,
+    tracker: Option<Arc<EbpfTracker>>,
+    settings: RwLock<Arc<Settings>>,
     header_read_timeout: Duration,
+    listen: SocketAddr,
 }
 
 impl Proxy {
-    pub fn new(config: &Config, metrics: Metrics) -> Result<Self, ProxyError> {
+    pub fn new(
+        config: &Config,
+        metrics: Metrics,
+        scheduler: Arc<Scheduler>,
+        connections: Arc<Registry>,
+        tracker: Option<Arc<EbpfTracker>>,
+    ) -> Result<Self, ProxyError> {
         Ok(Self {
             upstream: Upstream::new(&config.upstream)?,
             metrics,
-            api: config.upstream.api,
+            scheduler,
+            connections,
+            tracker,
+            settings: RwLock::new(Arc::new(Settings::from(config))),
             header_read_timeout: config.header_read_timeout(),
+            listen: config.server.listen,
         })
     }
 
-    /// Handles one request: passes it to the upstream and relays the answer as it arrives.
-    async fn handle(&self, request: Request<Incoming>) -> Response<Body> {
-        let shape = error_shape(request.uri().path(), self.api);
+    /// Applies a reloaded config's classes, limits and rules. Queued and running requests
+    /// keep their place.
+    pub fn reload(&self, config: &Config) {
+        self.scheduler.reconfigure(config);
+        *self
+            .settings
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(Settings::from(config));
+    }
+
+    fn settings(&self) -> Arc<Settings> {
+        Arc::clone(
+            &self
+                .settings
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
+    /// Handles one request on `connection`.
+    async fn handle(
+        &self,
+        request: Request<Incoming>,
+        connection: &Arc<Connection>,
+    ) -> Response<Body> {
+        let settings = self.settings();
+        if request.method() == Method::POST && QUEUED_PATHS.contains(&request.uri().path()) {
+            return self.queued(request, connection, &settings).await;
+        }
+        let shape = error_shape(request.uri().path(), settings.api);
         let request = request.map(|body| body.boxed());
         let response = match self.upstream.send(request).await {
             Ok(response) => response.map(|body| body.boxed()),
@@ -53,6 +128,16 @@ impl Proxy {
             .with_label_values(&[response.status().as_str()])
             .inc();
         response
+    }
+}
+
+impl From<&Config> for Settings {
+    fn from(config: &Config) -> Self {
+        Self {
+            classifier: Classifier::new(config),
+            api: config.upstream.api,
+            body_limit: config.server.body_limit_bytes,
+        }
     }
 }
 
@@ -93,22 +178,35 @@ pub async fn serve(
             () = stop_requested(&mut shutdown) => break,
         };
         let _ = stream.set_nodelay(true);
-        let connection = http1::Builder::new()
+        let connection = proxy.connections.register(peer);
+        let service = {
+            let proxy = Arc::clone(&proxy);
+            let connection = Arc::clone(&connection);
+            service_fn(move |request| {
+                let proxy = Arc::clone(&proxy);
+                let connection = Arc::clone(&connection);
+                async move { Ok::<_, Infallible>(proxy.handle(request, &connection).await) }
+            })
+        };
+        let serving = http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(proxy.header_read_timeout)
             .keep_alive(true)
-            .serve_connection(TokioIo::new(stream), {
-                let proxy = Arc::clone(&proxy);
-                service_fn(move |request| {
-                    let proxy = Arc::clone(&proxy);
-                    async move { Ok::<_, Infallible>(proxy.handle(request).await) }
-                })
-            });
-        let connection = graceful.watch(connection);
+            .serve_connection(TokioIo::new(stream), service);
+        let serving = graceful.watch(serving);
+        let proxy = Arc::clone(&proxy);
         tokio::spawn(async move {
-            if let Err(err) = connection.await {
-                tracing::debug!(%peer, %err, "client connection ended with an error");
+            tokio::select! {
+                result = serving => {
+                    if let Err(err) = result {
+                        tracing::debug!(%peer, %err, "client connection ended with an error");
+                    }
+                }
+                // The client left: dropping the connection drops its requests (reaped) and
+                // with them any upstream request in flight.
+                () = connection.gone() => {}
             }
+            proxy.connections.unregister(&connection);
         });
     }
     drop(listener);

@@ -3,6 +3,9 @@
 pub mod ebpf;
 pub mod event;
 mod mounts;
+pub mod owner;
+pub mod reaper;
+pub mod registry;
 
 pub use ebpf::{ConnOwner, EbpfError, EbpfTracker};
 pub use event::{ConnEvent, TcpState};

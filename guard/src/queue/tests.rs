@@ -1,0 +1,227 @@
+//! The scheduler under tokio's paused clock.
+
+use std::{sync::Arc, time::Duration};
+
+use super::*;
+use crate::config::{ClassConfig, Config};
+
+const SECOND: Duration = Duration::from_secs(1);
+
+fn config(capacity: u32) -> Config {
+    let mut config = Config::default();
+    config.upstream.max_concurrency = capacity;
+    config.estimate.initial_service_ms = 1_000;
+    config.class.insert(
+        "interactive".to_owned(),
+        ClassConfig {
+            priority: 0,
+            max_queue: 3,
+            deadline_ms: Some(2_500),
+            cgroup: None,
+            throttle: None,
+        },
+    );
+    config.class.insert(
+        "batch".to_owned(),
+        ClassConfig {
+            priority: 10,
+            max_queue: 2,
+            deadline_ms: None,
+            cgroup: None,
+            throttle: None,
+        },
+    );
+    config
+}
+
+fn scheduler(capacity: u32) -> Arc<Scheduler> {
+    Scheduler::new(&config(capacity), Metrics::new())
+}
+
+async fn granted(ticket: Ticket) -> Permit {
+    ticket.wait().await.expect("granted")
+}
+
+/// Whether the ticket's permit has been sent (without waiting for it).
+fn is_granted(ticket: &mut Ticket) -> bool {
+    ticket.granted.as_mut().is_some_and(|rx| !rx.is_empty())
+}
+
+#[tokio::test(start_paused = true)]
+async fn higher_priority_goes_first_fifo_within_a_class() {
+    let scheduler = scheduler(1);
+    let running = granted(scheduler.enqueue("batch", None).expect("admit")).await;
+    let mut batch = scheduler.enqueue("batch", None).expect("admit");
+    let mut first = scheduler.enqueue("interactive", None).expect("admit");
+    let mut second = scheduler.enqueue("interactive", None).expect("admit");
+    assert!(!is_granted(&mut batch) && !is_granted(&mut first));
+
+    drop(running);
+    assert!(
+        is_granted(&mut first),
+        "interactive before the earlier batch"
+    );
+    assert!(!is_granted(&mut second) && !is_granted(&mut batch));
+    drop(granted(first).await);
+    assert!(is_granted(&mut second), "FIFO within the class");
+    assert!(
+        !is_granted(&mut batch),
+        "batch never starts while interactive waits"
+    );
+    drop(granted(second).await);
+    assert!(is_granted(&mut batch));
+    assert_eq!(scheduler.load(), (0, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_class_is_refused_with_a_retry_hint() {
+    let scheduler = scheduler(1);
+    let _running = granted(scheduler.enqueue("batch", None).expect("admit")).await;
+    let _a = scheduler.enqueue("batch", None).expect("admit");
+    let _b = scheduler.enqueue("batch", None).expect("admit");
+    let rejection = scheduler.enqueue("batch", None).err().expect("full");
+    assert_eq!(rejection.reason, RejectReason::QueueFull);
+    assert!(!rejection.after_queueing);
+    // The head of the batch queue starts when the running request ends: in one second.
+    assert_eq!(rejection.retry_after, SECOND);
+    // Another class is not affected.
+    assert!(scheduler.enqueue("interactive", None).is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deadline_that_cannot_be_met_is_refused_on_arrival() {
+    let scheduler = scheduler(1);
+    let _running = granted(scheduler.enqueue("interactive", None).expect("admit")).await;
+    // Each takes about a second (the prior); the deadline is 2.5 s.
+    let _a = scheduler
+        .enqueue("interactive", None)
+        .expect("starts at 1 s");
+    let _b = scheduler
+        .enqueue("interactive", None)
+        .expect("starts at 2 s");
+    let rejection = scheduler
+        .enqueue("interactive", None)
+        .err()
+        .expect("would start at 3 s");
+    assert_eq!(rejection.reason, RejectReason::Deadline);
+    assert_eq!(rejection.retry_after, Duration::from_millis(500));
+    // Time passes: the running request's remaining time shrinks, so the prediction does too.
+    tokio::time::advance(Duration::from_millis(600)).await;
+    assert!(scheduler.enqueue("interactive", None).is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiting_request_past_its_deadline_leaves_the_queue() {
+    let scheduler = scheduler(1);
+    let running = granted(scheduler.enqueue("interactive", None).expect("admit")).await;
+    let waiting = scheduler.enqueue("interactive", None).expect("admit");
+    let started = Instant::now();
+    let rejection = waiting.wait().await.err().expect("deadline passes");
+    assert_eq!(rejection.reason, RejectReason::Deadline);
+    assert!(rejection.after_queueing);
+    assert_eq!(started.elapsed(), Duration::from_millis(2_500));
+    assert_eq!(scheduler.load(), (0, 1), "out of the queue");
+    drop(running);
+    assert_eq!(scheduler.load(), (0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_ticket_leaves_the_queue_and_a_late_permit_is_returned() {
+    let scheduler = scheduler(1);
+    let running = granted(scheduler.enqueue("batch", None).expect("admit")).await;
+    let gone = scheduler.enqueue("batch", None).expect("admit");
+    drop(gone);
+    assert_eq!(
+        scheduler.load(),
+        (0, 1),
+        "the dropped request left the queue"
+    );
+
+    // Granted, then dropped before it was taken: the slot must come back.
+    let mut unlucky = scheduler.enqueue("batch", None).expect("admit");
+    let mut next = scheduler.enqueue("batch", None).expect("admit");
+    drop(running);
+    assert!(is_granted(&mut unlucky));
+    drop(unlucky);
+    assert!(
+        is_granted(&mut next),
+        "the returned permit went to the next request"
+    );
+    assert_eq!(scheduler.load(), (0, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_estimate_learns_from_completions() {
+    let scheduler = scheduler(1);
+    for _ in 0..5 {
+        let permit = granted(scheduler.enqueue("interactive", Some("m")).expect("admit")).await;
+        tokio::time::advance(Duration::from_millis(200)).await;
+        permit.complete();
+    }
+    let _running = granted(scheduler.enqueue("interactive", Some("m")).expect("admit")).await;
+    // At 0.2 s each, many fit within the 2.5 s deadline; the 1 s prior would allow two.
+    let admitted: Vec<_> = (0..3)
+        .map(|_| scheduler.enqueue("interactive", Some("m")).expect("fits"))
+        .collect();
+    assert_eq!(admitted.len(), 3);
+    let snapshot = scheduler.snapshot();
+    let interactive = snapshot
+        .iter()
+        .find(|c| c.name == "interactive")
+        .expect("class");
+    assert_eq!(interactive.predicted_wait_ms, 800);
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutting_down_turns_waiters_and_newcomers_away() {
+    let scheduler = scheduler(1);
+    let _running = granted(scheduler.enqueue("batch", None).expect("admit")).await;
+    let waiting = scheduler.enqueue("batch", None).expect("admit");
+    scheduler.shut_down();
+    let rejection = waiting.wait().await.err().expect("rejected");
+    assert_eq!(rejection.reason, RejectReason::ShuttingDown);
+    let newcomer = scheduler
+        .enqueue("interactive", None)
+        .err()
+        .expect("rejected");
+    assert_eq!(newcomer.reason, RejectReason::ShuttingDown);
+}
+
+#[tokio::test(start_paused = true)]
+async fn held_classes_wait_until_the_hold_lifts() {
+    let scheduler = scheduler(2);
+    scheduler.hold_above(Some(0));
+    let mut batch = scheduler.enqueue("batch", None).expect("admit");
+    assert!(
+        !is_granted(&mut batch),
+        "held while at risk, though a slot is free"
+    );
+    let _interactive = granted(scheduler.enqueue("interactive", None).expect("admit")).await;
+    scheduler.hold_above(None);
+    assert!(is_granted(&mut batch));
+}
+
+#[tokio::test(start_paused = true)]
+async fn reload_changes_limits_and_keeps_the_queue() {
+    let scheduler = scheduler(1);
+    let running = granted(scheduler.enqueue("batch", None).expect("admit")).await;
+    let mut waiting = scheduler.enqueue("batch", None).expect("admit");
+    let mut next = config(2);
+    next.class.remove("batch");
+    scheduler.reconfigure(&next);
+    assert!(
+        is_granted(&mut waiting),
+        "capacity grew: the queued request starts"
+    );
+    let refused = scheduler
+        .enqueue("batch", None)
+        .err()
+        .expect("class removed");
+    assert_eq!(refused.reason, RejectReason::ShuttingDown);
+    drop(running);
+    drop(granted(waiting).await);
+    assert!(
+        scheduler.snapshot().iter().all(|c| c.name != "batch"),
+        "a removed class goes once drained"
+    );
+}

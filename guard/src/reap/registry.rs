@@ -1,0 +1,206 @@
+//! The connections guard has accepted, by client address, so that a close the kernel reports
+//! can be matched to the requests riding on that connection.
+
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use tokio_util::sync::CancellationToken;
+
+use super::event::{ConnEvent, TcpState, canonical, monotonic_now};
+
+/// One accepted client connection.
+pub struct Connection {
+    pub peer: SocketAddr,
+    /// CLOCK_MONOTONIC at accept: older kernel events for the same 4-tuple are ignored.
+    pub accepted_at: Duration,
+    cancel: CancellationToken,
+    /// CLOCK_MONOTONIC of the kernel event that said the client left.
+    gone_at: Mutex<Option<Duration>>,
+}
+
+impl Connection {
+    /// Resolves when the client is known to have left; the connection's task then drops its
+    /// requests (which counts them as reaped) and closes the socket.
+    pub async fn gone(&self) {
+        self.cancel.cancelled().await;
+    }
+
+    /// When the client left, by the kernel's clock, if it has.
+    pub fn gone_at(&self) -> Option<Duration> {
+        *self
+            .gone_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Marks the client gone at `at` (a kernel timestamp, or now for user-space detection).
+    pub fn mark_gone(&self, at: Duration) {
+        let mut gone_at = self
+            .gone_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if gone_at.is_none() {
+            *gone_at = Some(at);
+        }
+        drop(gone_at);
+        self.cancel.cancel();
+    }
+}
+
+/// Open client connections by peer address.
+#[derive(Default)]
+pub struct Registry {
+    by_peer: Mutex<HashMap<SocketAddr, Arc<Connection>>>,
+}
+
+impl Registry {
+    /// Records a just-accepted connection.
+    pub fn register(&self, peer: SocketAddr) -> Arc<Connection> {
+        let peer = canonical(peer);
+        let connection = Arc::new(Connection {
+            peer,
+            accepted_at: monotonic_now(),
+            cancel: CancellationToken::new(),
+            gone_at: Mutex::new(None),
+        });
+        self.lock().insert(peer, Arc::clone(&connection));
+        connection
+    }
+
+    /// Forgets a finished connection (unless its 4-tuple has been reused meanwhile).
+    pub fn unregister(&self, connection: &Arc<Connection>) {
+        let mut by_peer = self.lock();
+        if by_peer
+            .get(&connection.peer)
+            .is_some_and(|current| Arc::ptr_eq(current, connection))
+        {
+            by_peer.remove(&connection.peer);
+        }
+    }
+
+    /// Applies a kernel event for a connection to `listen_port`; returns the connection it
+    /// marked gone, if any. With `half_close_means_gone` false only a reset counts.
+    pub fn apply(
+        &self,
+        event: &ConnEvent,
+        listen_port: u16,
+        half_close_means_gone: bool,
+    ) -> Option<Arc<Connection>> {
+        if !event.is_client_gone(listen_port) {
+            return None;
+        }
+        if event.new == TcpState::CloseWait && !half_close_means_gone {
+            return None;
+        }
+        let connection = self.lock().get(&event.remote).cloned()?;
+        // An event from before this connection was accepted belongs to an earlier
+        // connection on the same 4-tuple.
+        if event.at < connection.accepted_at {
+            return None;
+        }
+        connection.mark_gone(event.at);
+        Some(connection)
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<SocketAddr, Arc<Connection>>> {
+        self.by_peer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(remote: SocketAddr, at: Duration, new: TcpState) -> ConnEvent {
+        ConnEvent {
+            at,
+            socket: 1,
+            local: "127.0.0.1:80".parse().expect("addr"),
+            remote,
+            old: TcpState::Established,
+            new,
+        }
+    }
+
+    #[test]
+    fn a_close_marks_its_connection_gone() {
+        let registry = Registry::default();
+        let peer: SocketAddr = "127.0.0.1:5000".parse().expect("addr");
+        let connection = registry.register(peer);
+        let later = connection.accepted_at + Duration::from_millis(1);
+        assert!(
+            registry
+                .apply(&event(peer, later, TcpState::CloseWait), 81, true)
+                .is_none(),
+            "other port"
+        );
+        let other: SocketAddr = "127.0.0.1:5001".parse().expect("addr");
+        assert!(
+            registry
+                .apply(&event(other, later, TcpState::CloseWait), 80, true)
+                .is_none()
+        );
+        let gone = registry.apply(&event(peer, later, TcpState::CloseWait), 80, true);
+        assert!(gone.is_some_and(|c| Arc::ptr_eq(&c, &connection)));
+        assert_eq!(connection.gone_at(), Some(later));
+    }
+
+    #[test]
+    fn an_old_event_on_a_reused_4_tuple_is_ignored() {
+        let registry = Registry::default();
+        let peer: SocketAddr = "127.0.0.1:5000".parse().expect("addr");
+        let connection = registry.register(peer);
+        let before = connection.accepted_at - Duration::from_millis(1);
+        assert!(
+            registry
+                .apply(&event(peer, before, TcpState::Close), 80, true)
+                .is_none()
+        );
+        assert_eq!(connection.gone_at(), None);
+    }
+
+    #[test]
+    fn half_close_counts_only_when_configured() {
+        let registry = Registry::default();
+        let peer: SocketAddr = "127.0.0.1:5000".parse().expect("addr");
+        let connection = registry.register(peer);
+        let later = connection.accepted_at + Duration::from_millis(1);
+        assert!(
+            registry
+                .apply(&event(peer, later, TcpState::CloseWait), 80, false)
+                .is_none()
+        );
+        assert!(
+            registry
+                .apply(&event(peer, later, TcpState::Close), 80, false)
+                .is_some(),
+            "a reset still counts"
+        );
+    }
+
+    #[test]
+    fn unregister_keeps_a_newer_connection_on_the_same_4_tuple() {
+        let registry = Registry::default();
+        let peer: SocketAddr = "127.0.0.1:5000".parse().expect("addr");
+        let old = registry.register(peer);
+        let new = registry.register(peer);
+        registry.unregister(&old);
+        assert_eq!(registry.len(), 1);
+        registry.unregister(&new);
+        assert!(registry.is_empty());
+    }
+}
