@@ -225,8 +225,7 @@ mod tests {
         headers.insert("x-guard-class", "vip".parse().expect("value"));
         let err = c
             .classify(&facts("/v1/x", &headers, None, NO_CGROUP))
-            .err()
-            .expect("unknown");
+            .expect_err("unknown");
         assert_eq!(err.known, "batch, interactive");
     }
 
@@ -286,9 +285,9 @@ mod tests {
         );
         assert!(c.needs_cgroup());
         let headers = HeaderMap::new();
-        let lookups = std::cell::Cell::new(0);
+        let lookups = std::sync::atomic::AtomicUsize::new(0);
         let in_batch = || {
-            lookups.set(lookups.get() + 1);
+            lookups.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             Some("/guard/batch/job-1".to_owned())
         };
         assert_eq!(
@@ -297,7 +296,7 @@ mod tests {
                 .by,
             "rule 2"
         );
-        assert_eq!(lookups.get(), 1);
+        assert_eq!(lookups.load(std::sync::atomic::Ordering::Relaxed), 1);
         let elsewhere = || Some("/guard/batchy".to_owned());
         assert_eq!(
             c.classify(&facts("/", &headers, None, &elsewhere))

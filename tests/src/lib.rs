@@ -9,6 +9,9 @@ use std::{
 
 use tokio::sync::mpsc;
 
+pub mod http;
+pub mod servers;
+
 /// How long a test waits for something the kernel should deliver at once; reaching it fails.
 pub const DELIVERY_BOUND: Duration = Duration::from_secs(20);
 
@@ -151,4 +154,21 @@ impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// A sample's value from Prometheus text, by exact series (`name` or `name{labels}`).
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .find_map(|line| {
+            let (name, value) = line.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok())?
+        })
+}
+
+/// Serialises tests that time real servers: on two cores, parallel ones would disturb them.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -482,6 +482,24 @@ impl Ticket {
     }
 }
 
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket")
+            .field("id", &self.id)
+            .field("class", &self.class)
+            .finish_non_exhaustive()
+    }
+}
+
+impl std::fmt::Debug for Permit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Permit")
+            .field("id", &self.id)
+            .field("class", &self.class)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Drop for Ticket {
     fn drop(&mut self) {
         let Some(mut granted) = self.granted.take() else {

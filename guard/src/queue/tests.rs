@@ -79,7 +79,7 @@ async fn a_full_class_is_refused_with_a_retry_hint() {
     let _running = granted(scheduler.enqueue("batch", None).expect("admit")).await;
     let _a = scheduler.enqueue("batch", None).expect("admit");
     let _b = scheduler.enqueue("batch", None).expect("admit");
-    let rejection = scheduler.enqueue("batch", None).err().expect("full");
+    let rejection = scheduler.enqueue("batch", None).expect_err("full");
     assert_eq!(rejection.reason, RejectReason::QueueFull);
     assert!(!rejection.after_queueing);
     // The head of the batch queue starts when the running request ends: in one second.
@@ -101,8 +101,7 @@ async fn a_deadline_that_cannot_be_met_is_refused_on_arrival() {
         .expect("starts at 2 s");
     let rejection = scheduler
         .enqueue("interactive", None)
-        .err()
-        .expect("would start at 3 s");
+        .expect_err("would start at 3 s");
     assert_eq!(rejection.reason, RejectReason::Deadline);
     assert_eq!(rejection.retry_after, Duration::from_millis(500));
     // Time passes: the running request's remaining time shrinks, so the prediction does too.
@@ -116,7 +115,7 @@ async fn a_waiting_request_past_its_deadline_leaves_the_queue() {
     let running = granted(scheduler.enqueue("interactive", None).expect("admit")).await;
     let waiting = scheduler.enqueue("interactive", None).expect("admit");
     let started = Instant::now();
-    let rejection = waiting.wait().await.err().expect("deadline passes");
+    let rejection = waiting.wait().await.expect_err("deadline passes");
     assert_eq!(rejection.reason, RejectReason::Deadline);
     assert!(rejection.after_queueing);
     assert_eq!(started.elapsed(), Duration::from_millis(2_500));
@@ -178,12 +177,11 @@ async fn shutting_down_turns_waiters_and_newcomers_away() {
     let _running = granted(scheduler.enqueue("batch", None).expect("admit")).await;
     let waiting = scheduler.enqueue("batch", None).expect("admit");
     scheduler.shut_down();
-    let rejection = waiting.wait().await.err().expect("rejected");
+    let rejection = waiting.wait().await.expect_err("rejected");
     assert_eq!(rejection.reason, RejectReason::ShuttingDown);
     let newcomer = scheduler
         .enqueue("interactive", None)
-        .err()
-        .expect("rejected");
+        .expect_err("rejected");
     assert_eq!(newcomer.reason, RejectReason::ShuttingDown);
 }
 
@@ -213,10 +211,7 @@ async fn reload_changes_limits_and_keeps_the_queue() {
         is_granted(&mut waiting),
         "capacity grew: the queued request starts"
     );
-    let refused = scheduler
-        .enqueue("batch", None)
-        .err()
-        .expect("class removed");
+    let refused = scheduler.enqueue("batch", None).expect_err("class removed");
     assert_eq!(refused.reason, RejectReason::ShuttingDown);
     drop(running);
     drop(granted(waiting).await);

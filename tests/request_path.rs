@@ -1,0 +1,493 @@
+//! The request path end to end: guard in front of the real llama-server (SmolLM2): priority
+//! order, deadline rejection on arrival and in the queue, a full class, streaming, bad input,
+//! reload, and the outcome counters reconciling after a mixed run.
+
+use std::time::{Duration, Instant};
+
+use guard_tests::{
+    http::{self, post, post_streamed},
+    serial,
+    servers::{GuardProcess, LlamaServer},
+};
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+
+/// A generation of exactly `tokens` tokens (llama.cpp's /completion, end-of-text ignored).
+fn completion(tokens: u32) -> Value {
+    json!({ "prompt": "Write a story about a lighthouse.", "n_predict": tokens, "ignore_eos": true })
+}
+
+fn chat(max_tokens: u32, stream: bool) -> Value {
+    json!({
+        "messages": [{ "role": "user", "content": "Say hello." }],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    })
+}
+
+/// Sends a /completion in `class` in the background; yields the response and when it ended.
+fn spawn_completion(
+    guard: &GuardProcess,
+    class: &str,
+    tokens: u32,
+) -> JoinHandle<(http::Response, Instant)> {
+    let (addr, class) = (guard.listen, class.to_owned());
+    tokio::spawn(async move {
+        let response = post(
+            addr,
+            "/completion",
+            &[("x-guard-class", &class)],
+            &completion(tokens),
+        )
+        .await;
+        (response, Instant::now())
+    })
+}
+
+const TWO_CLASSES: &str = "[class.interactive]\npriority = 0\nmax_queue = 4\n\
+                           [class.batch]\npriority = 10\nmax_queue = 2\n";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn interactive_is_served_before_earlier_batch() {
+    let _serial = serial();
+    let llama = LlamaServer::start(1).await;
+    let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
+    let running = spawn_completion(&guard, "batch", 200);
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    let batch = spawn_completion(&guard, "batch", 8);
+    guard
+        .wait_for_metric("guard_queue_depth{class=\"batch\"}", 1.0)
+        .await;
+    let interactive = spawn_completion(&guard, "interactive", 8);
+    guard
+        .wait_for_metric("guard_queue_depth{class=\"interactive\"}", 1.0)
+        .await;
+
+    let (batch, batch_done) = batch.await.expect("batch");
+    let (interactive, interactive_done) = interactive.await.expect("interactive");
+    running.await.expect("running");
+    assert_eq!((batch.status, interactive.status), (200, 200));
+    assert!(interactive_done < batch_done, "interactive finished first");
+    assert_eq!(interactive.header("x-guard-class"), Some("interactive"));
+    let queue_ms = |r: &http::Response| {
+        r.header("x-guard-queue-ms")
+            .and_then(|v| v.parse::<u64>().ok())
+            .expect("queue ms")
+    };
+    assert!(
+        queue_ms(&batch) > queue_ms(&interactive),
+        "the earlier batch request waited longer"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deadline_that_cannot_be_met_is_refused_at_once() {
+    let _serial = serial();
+    let llama = LlamaServer::start(1).await;
+    let config = "[estimate]\ninitial_service_ms = 10000\n\
+                  [class.interactive]\npriority = 0\nmax_queue = 4\ndeadline_ms = 1500\n\
+                  [class.batch]\npriority = 10\nmax_queue = 4\n";
+    let guard = GuardProcess::start(llama.addr, "openai", config);
+    let running = spawn_completion(&guard, "batch", 300);
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    let prompt_tokens = llama.metric("prompt_tokens_total").await;
+
+    let response = post(guard.listen, "/v1/chat/completions", &[], &chat(8, false)).await;
+    assert_eq!(response.status, 503, "{}", response.text());
+    let retry_after: u64 = response
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .expect("Retry-After");
+    assert!(retry_after >= 1);
+    assert_eq!(response.header("x-guard-class"), Some("interactive"));
+    let body = response.json();
+    assert_eq!(body["error"]["code"], "deadline");
+    let message = body["error"]["message"].as_str().expect("message");
+    assert!(
+        message.contains("interactive") && message.contains("deadline"),
+        "{message}"
+    );
+    assert_eq!(
+        guard
+            .metric("guard_rejected_total{class=\"interactive\",reason=\"deadline\"}")
+            .await,
+        1.0
+    );
+    running.await.expect("running");
+    let after = llama.metric("prompt_tokens_total").await;
+    assert!(
+        after - prompt_tokens < 50.0,
+        "the refused chat never reached llama-server"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_waiting_request_past_its_deadline_is_taken_out_with_503() {
+    let _serial = serial();
+    let llama = LlamaServer::start(1).await;
+    // The prior says requests are quick, so it is admitted; the running one takes seconds.
+    let config = "[estimate]\ninitial_service_ms = 100\n\
+                  [class.interactive]\npriority = 0\nmax_queue = 4\ndeadline_ms = 800\n\
+                  [class.batch]\npriority = 10\nmax_queue = 4\n";
+    let guard = GuardProcess::start(llama.addr, "openai", config);
+    let running = spawn_completion(&guard, "batch", 600);
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    let response = post(guard.listen, "/v1/chat/completions", &[], &chat(8, false)).await;
+    assert_eq!(response.status, 503, "{}", response.text());
+    assert_eq!(response.json()["error"]["code"], "deadline");
+    let waited: u64 = response
+        .header("x-guard-queue-ms")
+        .and_then(|v| v.parse().ok())
+        .expect("queue ms");
+    assert!(waited >= 800, "it waited its deadline out: {waited} ms");
+    assert_eq!(
+        guard
+            .metric(
+                "guard_rejected_after_queueing_total{class=\"interactive\",reason=\"deadline\"}"
+            )
+            .await,
+        1.0
+    );
+    assert_eq!(
+        guard
+            .metric("guard_queue_depth{class=\"interactive\"}")
+            .await,
+        0.0
+    );
+    running.await.expect("running");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_class_gets_503_with_retry_after_and_others_still_pass() {
+    let _serial = serial();
+    let llama = LlamaServer::start(1).await;
+    let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
+    let running = spawn_completion(&guard, "batch", 200);
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    let queued = [
+        spawn_completion(&guard, "batch", 4),
+        spawn_completion(&guard, "batch", 4),
+    ];
+    guard
+        .wait_for_metric("guard_queue_depth{class=\"batch\"}", 2.0)
+        .await;
+
+    let full = post(
+        guard.listen,
+        "/completion",
+        &[("x-guard-class", "batch")],
+        &completion(4),
+    )
+    .await;
+    assert_eq!(full.status, 503);
+    assert!(
+        full.header("retry-after")
+            .and_then(|v| v.parse::<u64>().ok())
+            .is_some_and(|s| s >= 1)
+    );
+    let body = full.json();
+    assert_eq!(
+        body["error"]["code"], "queue_full",
+        "OpenAI shape on llama.cpp's path: {body}"
+    );
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("batch"))
+    );
+
+    let interactive = post(guard.listen, "/completion", &[], &completion(4)).await;
+    assert_eq!(interactive.status, 200, "another class is not full");
+    for task in queued {
+        assert_eq!(task.await.expect("queued").0.status, 200);
+    }
+    running.await.expect("running");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn streams_are_relayed_chunk_by_chunk() {
+    let _serial = serial();
+    let llama = LlamaServer::start(1).await;
+    let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
+    let streamed = post_streamed(guard.listen, "/v1/chat/completions", &[], &chat(48, true)).await;
+    assert_eq!(streamed.status, 200);
+    assert_eq!(
+        streamed.headers.get("x-guard-class").map(|v| v.as_bytes()),
+        Some(&b"interactive"[..])
+    );
+    assert!(
+        streamed.frames.len() >= 10,
+        "{} frames: not relayed as they came",
+        streamed.frames.len()
+    );
+    let text: String = streamed
+        .frames
+        .iter()
+        .map(|(_, b)| String::from_utf8_lossy(b).into_owned())
+        .collect();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let (first, last) = (
+        streamed.frames[0].0,
+        streamed.frames[streamed.frames.len() - 1].0,
+    );
+    assert!(last > first, "frames arrived over time");
+    assert_eq!(
+        guard
+            .metric("guard_ttft_seconds_count{class=\"interactive\"}")
+            .await,
+        1.0
+    );
+    assert_eq!(
+        guard
+            .metric("guard_requests_total{class=\"interactive\",outcome=\"completed\"}")
+            .await,
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_input_is_answered_and_never_forwarded() {
+    let _serial = serial();
+    let llama = LlamaServer::start(1).await;
+    let guard = GuardProcess::start(llama.addr, "openai", "[server]\n");
+    let before = llama.metric("prompt_tokens_total").await;
+
+    let malformed = http::send(
+        guard.listen,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        "{\"messages\": [".into(),
+    )
+    .await
+    .expect("response");
+    assert_eq!(malformed.status, 400);
+    assert_eq!(malformed.json()["error"]["code"], "malformed_json");
+
+    let huge = json!({ "prompt": "x".repeat(17 << 20) });
+    let too_large = post(guard.listen, "/completion", &[], &huge).await;
+    assert_eq!(too_large.status, 413, "{}", too_large.text());
+
+    let unknown = post(
+        guard.listen,
+        "/api/chat",
+        &[("x-guard-class", "vip")],
+        &chat(4, false),
+    )
+    .await;
+    assert_eq!(unknown.status, 400);
+    let message = unknown.json()["error"]
+        .as_str()
+        .expect("Ollama shape on /api paths")
+        .to_owned();
+    assert!(
+        message.contains("vip") && message.contains("batch, interactive"),
+        "{message}"
+    );
+
+    assert_eq!(
+        llama.metric("prompt_tokens_total").await,
+        before,
+        "nothing reached llama-server"
+    );
+    for reason in ["malformed_json", "body_too_large", "unknown_class"] {
+        let series = format!("guard_invalid_requests_total{{reason=\"{reason}\"}}");
+        assert_eq!(guard.metric(&series).await, 1.0, "{series}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn outcomes_reconcile_after_a_mixed_run() {
+    let _serial = serial();
+    let mut llama = LlamaServer::start(1).await;
+    let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
+    for _ in 0..3 {
+        assert_eq!(
+            post(guard.listen, "/completion", &[], &completion(4))
+                .await
+                .status,
+            200
+        );
+    }
+    let running = spawn_completion(&guard, "batch", 300);
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    let queued = [
+        spawn_completion(&guard, "batch", 4),
+        spawn_completion(&guard, "batch", 4),
+    ];
+    guard
+        .wait_for_metric("guard_queue_depth{class=\"batch\"}", 2.0)
+        .await;
+    let rejected = post(
+        guard.listen,
+        "/completion",
+        &[("x-guard-class", "batch")],
+        &completion(4),
+    )
+    .await;
+    assert_eq!(rejected.status, 503);
+    // The upstream dies: the running request and those queued behind it fail.
+    llama.kill();
+    let mut statuses = vec![running.await.expect("running").0.status];
+    for task in queued {
+        statuses.push(task.await.expect("queued").0.status);
+    }
+    assert!(statuses[1..].iter().all(|s| *s == 502), "{statuses:?}");
+
+    let text = guard.metrics_text().await;
+    for class in ["interactive", "batch"] {
+        let m = |series: &str| {
+            guard_tests::metric(&text, &series.replace("CLASS", class)).unwrap_or(0.0)
+        };
+        let accepted = m("guard_admitted_total{class=\"CLASS\"}");
+        let accounted = m("guard_requests_total{class=\"CLASS\",outcome=\"completed\"}")
+            + m("guard_requests_total{class=\"CLASS\",outcome=\"reaped\"}")
+            + m("guard_requests_total{class=\"CLASS\",outcome=\"failed\"}")
+            + m("guard_rejected_after_queueing_total{class=\"CLASS\",reason=\"deadline\"}")
+            + m("guard_rejected_after_queueing_total{class=\"CLASS\",reason=\"shutting_down\"}")
+            + m("guard_inflight{class=\"CLASS\"}")
+            + m("guard_queue_depth{class=\"CLASS\"}");
+        assert_eq!(
+            accepted, accounted,
+            "{class}: accepted {accepted} != accounted {accounted}\n{text}"
+        );
+    }
+    let m = |series: &str| guard_tests::metric(&text, series).unwrap_or(0.0);
+    assert_eq!(
+        m("guard_requests_total{class=\"interactive\",outcome=\"completed\"}"),
+        3.0
+    );
+    assert_eq!(
+        m("guard_requests_total{class=\"batch\",outcome=\"rejected\"}"),
+        1.0
+    );
+    assert!(m("guard_requests_total{class=\"batch\",outcome=\"failed\"}") >= 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_reloads_limits_and_a_bad_file_keeps_the_old_config() {
+    let _serial = serial();
+    let llama = LlamaServer::start(1).await;
+    let mut guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
+    let running = spawn_completion(&guard, "batch", 300);
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    let mut queued = vec![
+        spawn_completion(&guard, "batch", 4),
+        spawn_completion(&guard, "batch", 4),
+    ];
+    guard
+        .wait_for_metric("guard_queue_depth{class=\"batch\"}", 2.0)
+        .await;
+    let full = post(
+        guard.listen,
+        "/completion",
+        &[("x-guard-class", "batch")],
+        &completion(4),
+    )
+    .await;
+    assert_eq!(full.status, 503);
+
+    let config = std::fs::read_to_string(&guard.config_path).expect("read config");
+    let wider = config.replace("max_queue = 2", "max_queue = 3");
+    std::fs::write(&guard.config_path, wider).expect("write");
+    hangup(&guard);
+    guard.wait_for_log("config reloaded");
+    assert_eq!(
+        guard.metric("guard_queue_depth{class=\"batch\"}").await,
+        2.0,
+        "queued requests kept"
+    );
+    queued.push(spawn_completion(&guard, "batch", 4));
+    guard
+        .wait_for_metric("guard_queue_depth{class=\"batch\"}", 3.0)
+        .await;
+
+    std::fs::write(&guard.config_path, "[class.batch]\nmax_queue = \"lots\"\n").expect("write");
+    hangup(&guard);
+    let refused = guard.wait_for_log("config refused");
+    assert!(
+        refused
+            .last()
+            .is_some_and(|l| l.contains("class.batch.max_queue")),
+        "{refused:?}"
+    );
+    assert_eq!(
+        guard
+            .metric("guard_config_reloads_total{result=\"refused\"}")
+            .await,
+        1.0
+    );
+    let still_full = post(
+        guard.listen,
+        "/completion",
+        &[("x-guard-class", "batch")],
+        &completion(4),
+    )
+    .await;
+    assert_eq!(still_full.status, 503, "the old limit (3) still holds");
+    for task in queued {
+        assert_eq!(task.await.expect("queued").0.status, 200);
+    }
+    running.await.expect("running");
+}
+
+fn hangup(guard: &GuardProcess) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(guard.pid() as i32),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .expect("SIGHUP");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn slow_headers_are_cut_off() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let _serial = serial();
+    let llama = LlamaServer::start(1).await;
+    let guard = GuardProcess::start(
+        llama.addr,
+        "openai",
+        "[server]\nheader_read_timeout_ms = 500\n",
+    );
+    let stream = tokio::net::TcpStream::connect(guard.listen)
+        .await
+        .expect("connect");
+    let (mut reader, mut writer) = stream.into_split();
+    let started = Instant::now();
+    // A client that sends its request head one byte at a time, slowly (the behaviour under
+    // test, not a wait for synchronisation).
+    let trickle = tokio::spawn(async move {
+        for byte in b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n" {
+            if writer.write_all(&[*byte]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    });
+    let mut buffer = Vec::new();
+    let _ = reader.read_to_end(&mut buffer).await;
+    let elapsed = started.elapsed();
+    trickle.abort();
+    assert!(
+        elapsed >= Duration::from_millis(500),
+        "closed too early: {elapsed:?}"
+    );
+    assert!(elapsed < Duration::from_secs(5), "not cut off: {elapsed:?}");
+    let answer = String::from_utf8_lossy(&buffer);
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 408"),
+        "{answer}"
+    );
+}

@@ -1,0 +1,141 @@
+//! A small HTTP/1.1 client for tests, on hyper: whole responses, or streamed frames with the
+//! time each arrived.
+
+use std::{net::SocketAddr, time::Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+
+pub struct Response {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Response {
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|err| panic!("not JSON ({err}): {}", self.text()))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// One response streamed: its head, and each body frame with its arrival time.
+pub struct Streamed {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub frames: Vec<(Instant, Bytes)>,
+}
+
+type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+
+async fn connect(addr: SocketAddr) -> Result<Sender, String> {
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::spawn(connection);
+    Ok(sender)
+}
+
+fn request(
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> Request<Full<Bytes>> {
+    let mut builder = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "guard-test")
+        .header("content-type", "application/json");
+    for (name, value) in headers {
+        builder = builder.header(*name, *value);
+    }
+    builder.body(Full::new(body)).expect("request")
+}
+
+pub async fn get(addr: SocketAddr, path: &str) -> Result<Response, String> {
+    send(addr, "GET", path, &[], Bytes::new()).await
+}
+
+pub async fn post(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &serde_json::Value,
+) -> Response {
+    send(addr, "POST", path, headers, Bytes::from(body.to_string()))
+        .await
+        .unwrap_or_else(|err| panic!("POST {path}: {err}"))
+}
+
+pub async fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> Result<Response, String> {
+    let mut sender = connect(addr).await?;
+    let response = sender
+        .send_request(request(method, path, headers, body))
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    Ok(Response {
+        status,
+        headers,
+        body,
+    })
+}
+
+pub async fn post_streamed(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &serde_json::Value,
+) -> Streamed {
+    let mut sender = connect(addr).await.expect("connect");
+    let response = sender
+        .send_request(request(
+            "POST",
+            path,
+            headers,
+            Bytes::from(body.to_string()),
+        ))
+        .await
+        .expect("response head");
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let mut body = response.into_body();
+    let mut frames = Vec::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.expect("frame").into_data() {
+            frames.push((Instant::now(), data));
+        }
+    }
+    Streamed {
+        status,
+        headers,
+        frames,
+    }
+}

@@ -1,0 +1,281 @@
+//! Real servers for end-to-end tests: llama-server with SmolLM2, the Ollama API emulator, and
+//! guard itself, each stopped on drop.
+
+use std::{
+    io::{BufRead as _, BufReader},
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, ChildStderr, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use crate::{TempDir, free_addr, guard_bin, http};
+
+/// How long a server may take to become ready; reaching it fails the test.
+const READY_BOUND: Duration = Duration::from_secs(60);
+
+/// Sends SIGTERM, waits up to `grace`, then SIGKILLs (llama-server stalls on SIGTERM while a
+/// stream is open).
+fn stop(child: &mut Child, grace: Duration) -> Option<std::process::ExitStatus> {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        // Waiting for a child's exit with a bound: std has no timed wait.
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+/// A llama-server on loopback, from `cargo xtask setup`'s cache.
+pub struct LlamaServer {
+    pub addr: SocketAddr,
+    child: Child,
+}
+
+impl LlamaServer {
+    /// Starts one with `slots` parallel slots and waits for /health.
+    pub async fn start(slots: usize) -> Self {
+        let server = env_path("GUARD_LLAMA_SERVER");
+        let model = env_path("GUARD_LLAMA_MODEL");
+        let addr = free_addr();
+        let child = Command::new(server)
+            .arg("-m")
+            .arg(model)
+            .args(["--host", "127.0.0.1", "--port", &addr.port().to_string()])
+            .args([
+                "-np",
+                &slots.to_string(),
+                "--metrics",
+                "-c",
+                &(2048 * slots).to_string(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start llama-server");
+        let server = Self { addr, child };
+        let started = Instant::now();
+        loop {
+            if let Ok(response) = http::get(addr, "/health").await
+                && response.status == 200
+            {
+                return server;
+            }
+            assert!(started.elapsed() < READY_BOUND, "llama-server not ready");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// A counter or gauge from its own /metrics (`llamacpp:NAME`).
+    pub async fn metric(&self, name: &str) -> f64 {
+        let text = http::get(self.addr, "/metrics")
+            .await
+            .expect("llama /metrics")
+            .text();
+        crate::metric(&text, &format!("llamacpp:{name}")).unwrap_or(0.0)
+    }
+
+    pub fn kill(&mut self) {
+        stop(&mut self.child, Duration::from_secs(2));
+    }
+}
+
+impl Drop for LlamaServer {
+    fn drop(&mut self) {
+        stop(&mut self.child, Duration::from_secs(2));
+    }
+}
+
+fn env_path(name: &str) -> PathBuf {
+    let path = std::env::var_os(name)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            panic!("{name} is not set: run the tests through `cargo xtask test`, which sets it")
+        });
+    assert!(path.exists(), "{name}={} does not exist", path.display());
+    path
+}
+
+/// The Ollama API emulator (tests/support/ollama_emulator.py): Ollama cannot be installed
+/// here, so it stands in for the endpoints only Ollama has.
+pub struct OllamaEmulator {
+    pub addr: SocketAddr,
+    child: Child,
+}
+
+impl OllamaEmulator {
+    pub fn start(args: &[&str]) -> Self {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("support/ollama_emulator.py");
+        let mut child = Command::new("python3")
+            .arg(script)
+            .args(["--port", "0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start the Ollama emulator");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read READY line");
+        let port: u16 = line
+            .strip_prefix("READY ")
+            .and_then(|p| p.trim().parse().ok())
+            .unwrap_or_else(|| panic!("emulator said {line:?}"));
+        Self {
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            child,
+        }
+    }
+
+    pub async fn stats(&self) -> serde_json::Value {
+        http::get(self.addr, "/emulator/stats")
+            .await
+            .expect("stats")
+            .json()
+    }
+}
+
+impl Drop for OllamaEmulator {
+    fn drop(&mut self) {
+        stop(&mut self.child, Duration::from_secs(2));
+    }
+}
+
+/// `guard run` with a config of the test's making, stopped on drop.
+pub struct GuardProcess {
+    pub listen: SocketAddr,
+    pub metrics: SocketAddr,
+    pub config_path: PathBuf,
+    pub startup_log: Vec<String>,
+    child: Child,
+    log: BufReader<ChildStderr>,
+    _dir: TempDir,
+}
+
+impl GuardProcess {
+    /// Starts guard with `extra` TOML appended to a config that sets listen, metrics and
+    /// upstream. Returns once it logs that it serves.
+    pub fn start(upstream: SocketAddr, api: &str, extra: &str) -> Self {
+        Self::start_as(upstream, api, extra, false)
+    }
+
+    pub fn start_as(upstream: SocketAddr, api: &str, extra: &str, unprivileged: bool) -> Self {
+        let dir = TempDir::new(&format!("guard-e2e-{}", free_addr().port()));
+        let (listen, metrics) = (free_addr(), free_addr());
+        // `extra` may have a [server] table of its own: listen goes into it.
+        let server = format!("[server]\nlisten = \"{listen}\"\n");
+        let extra = if extra.contains("[server]\n") {
+            extra.replacen("[server]\n", &server, 1)
+        } else {
+            format!("{server}{extra}")
+        };
+        let config = format!(
+            "[metrics]\nlisten = \"{metrics}\"\n\
+             [upstream]\nurl = \"http://{upstream}\"\napi = \"{api}\"\n{extra}"
+        );
+        let config_path = dir.0.join("guard.toml");
+        std::fs::write(&config_path, config).expect("write config");
+        let mut command = Command::new(guard_bin());
+        command
+            .args(["run", "--config"])
+            .arg(&config_path)
+            .env(
+                "GUARD_LOG",
+                std::env::var("GUARD_LOG").unwrap_or_else(|_| "info".to_owned()),
+            )
+            .stderr(Stdio::piped());
+        if unprivileged {
+            use std::os::unix::{fs::PermissionsExt as _, process::CommandExt as _};
+            std::fs::set_permissions(&dir.0, std::fs::Permissions::from_mode(0o755))
+                .expect("chmod");
+            command.uid(65534).gid(65534);
+        }
+        let mut child = command.spawn().expect("start guard");
+        let log = BufReader::new(child.stderr.take().expect("stderr"));
+        let mut guard = Self {
+            listen,
+            metrics,
+            config_path,
+            startup_log: Vec::new(),
+            child,
+            log,
+            _dir: dir,
+        };
+        guard.startup_log = guard.wait_for_log("guard is serving");
+        guard
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Reads log lines until one contains `text`; returns the lines read.
+    pub fn wait_for_log(&mut self, text: &str) -> Vec<String> {
+        let mut lines = Vec::new();
+        loop {
+            let mut line = String::new();
+            let read = self.log.read_line(&mut line).expect("read guard's log");
+            assert!(read > 0, "guard exited before logging `{text}`: {lines:#?}");
+            let found = line.contains(text);
+            lines.push(line);
+            if found {
+                return lines;
+            }
+        }
+    }
+
+    /// A sample from guard's /metrics, by exact series name (with labels).
+    pub async fn metric(&self, series: &str) -> f64 {
+        let text = http::get(self.metrics, "/metrics")
+            .await
+            .expect("guard /metrics")
+            .text();
+        crate::metric(&text, series).unwrap_or(0.0)
+    }
+
+    pub async fn metrics_text(&self) -> String {
+        http::get(self.metrics, "/metrics")
+            .await
+            .expect("guard /metrics")
+            .text()
+    }
+
+    /// Waits until a metric reaches `value` (a state the test waits for, not a time).
+    pub async fn wait_for_metric(&self, series: &str, value: f64) {
+        let started = Instant::now();
+        loop {
+            if self.metric(series).await >= value {
+                return;
+            }
+            assert!(
+                started.elapsed() < READY_BOUND,
+                "{series} never reached {value}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// SIGTERM; returns the exit status (None if it had to be killed).
+    pub fn terminate(&mut self) -> Option<std::process::ExitStatus> {
+        stop(&mut self.child, Duration::from_secs(30))
+    }
+
+    /// The rest of the log, after the process has exited.
+    pub fn rest_of_log(&mut self) -> String {
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut self.log, &mut rest);
+        rest
+    }
+}
+
+impl Drop for GuardProcess {
+    fn drop(&mut self) {
+        stop(&mut self.child, Duration::from_secs(10));
+    }
+}
