@@ -49,7 +49,7 @@ const TWO_CLASSES: &str = "[class.interactive]\npriority = 0\nmax_queue = 4\n\
 
 #[tokio::test(flavor = "multi_thread")]
 async fn interactive_is_served_before_earlier_batch() {
-    let _serial = serial();
+    let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
     let running = spawn_completion(&guard, "batch", 200);
@@ -84,7 +84,7 @@ async fn interactive_is_served_before_earlier_batch() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_deadline_that_cannot_be_met_is_refused_at_once() {
-    let _serial = serial();
+    let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let config = "[estimate]\ninitial_service_ms = 10000\n\
                   [class.interactive]\npriority = 0\nmax_queue = 4\ndeadline_ms = 1500\n\
@@ -127,7 +127,7 @@ async fn a_deadline_that_cannot_be_met_is_refused_at_once() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_waiting_request_past_its_deadline_is_taken_out_with_503() {
-    let _serial = serial();
+    let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     // The prior says requests are quick, so it is admitted; the running one takes seconds.
     let config = "[estimate]\ninitial_service_ms = 100\n\
@@ -165,7 +165,7 @@ async fn a_waiting_request_past_its_deadline_is_taken_out_with_503() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_class_gets_503_with_retry_after_and_others_still_pass() {
-    let _serial = serial();
+    let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
     let running = spawn_completion(&guard, "batch", 200);
@@ -214,7 +214,7 @@ async fn a_full_class_gets_503_with_retry_after_and_others_still_pass() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn streams_are_relayed_chunk_by_chunk() {
-    let _serial = serial();
+    let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
     let streamed = post_streamed(guard.listen, "/v1/chat/completions", &[], &chat(48, true)).await;
@@ -255,7 +255,7 @@ async fn streams_are_relayed_chunk_by_chunk() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_input_is_answered_and_never_forwarded() {
-    let _serial = serial();
+    let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", "[server]\n");
     let before = llama.metric("prompt_tokens_total").await;
@@ -306,7 +306,7 @@ async fn bad_input_is_answered_and_never_forwarded() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn outcomes_reconcile_after_a_mixed_run() {
-    let _serial = serial();
+    let _serial = serial().await;
     let mut llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
     for _ in 0..3 {
@@ -376,7 +376,7 @@ async fn outcomes_reconcile_after_a_mixed_run() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sighup_reloads_limits_and_a_bad_file_keeps_the_old_config() {
-    let _serial = serial();
+    let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let mut guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
     let running = spawn_completion(&guard, "batch", 300);
@@ -454,7 +454,7 @@ fn hangup(guard: &GuardProcess) {
 #[tokio::test(flavor = "multi_thread")]
 async fn slow_headers_are_cut_off() {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let _serial = serial();
+    let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(
         llama.addr,
