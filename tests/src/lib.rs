@@ -167,8 +167,7 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
 }
 
 /// Serialises tests that time real servers: on two cores, parallel ones would disturb them.
-pub fn serial() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+pub async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    LOCK.lock().await
 }
