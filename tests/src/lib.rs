@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 
 pub mod http;
 pub mod servers;
+pub mod workload;
 
 /// How long a test waits for something the kernel should deliver at once; reaching it fails.
 pub const DELIVERY_BOUND: Duration = Duration::from_secs(20);

@@ -36,18 +36,24 @@ pub fn test(args: &[String]) -> Result<()> {
     run(&mut test).context("tests failed")
 }
 
-/// For now: guard with its built-in defaults, in front of nothing yet; says where it listens.
+/// The main job: SmolLM2 on llama-server behind guard, a mixed workload with and without
+/// guard side by side, then guard keeps serving until Ctrl-C.
 pub fn demo() -> Result<()> {
     let installed = setup::all()?;
     run(cargo().args(["build", "--release", "-p", "guard"])).context("the build failed")?;
-    eprintln!(
-        "demo: guard listens on 127.0.0.1:11434 (proxy to 127.0.0.1:11435) and serves \
-         http://127.0.0.1:9464/metrics and /status; Ctrl-C stops it"
-    );
-    let mut guard = Command::new("target/release/guard");
-    guard.arg("run");
-    export(&mut guard, &installed);
-    run(&mut guard)
+    let mut demo = cargo();
+    demo.args([
+        "run",
+        "--release",
+        "--quiet",
+        "-p",
+        "guard-tests",
+        "--bin",
+        "demo",
+    ])
+    .env("GUARD_BIN", "target/release/guard");
+    export(&mut demo, &installed);
+    run(&mut demo)
 }
 
 pub fn bench(which: Bench) -> Result<()> {

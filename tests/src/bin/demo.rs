@@ -1,0 +1,79 @@
+//! `cargo xtask demo`: SmolLM2 on llama-server with one slot, guard in front of it, and a
+//! mixed workload (interactive chats while a batch flood runs) sent once straight to
+//! llama-server and once through guard. Prints interactive TTFT side by side, then keeps guard
+//! serving (with /metrics) until Ctrl-C.
+
+use std::{net::SocketAddr, time::Duration};
+
+use guard_tests::{
+    servers::{GuardProcess, LlamaServer},
+    workload::{self, Shape, percentile},
+};
+
+const CLASSES: &str = "[class.interactive]\npriority = 0\nmax_queue = 8\ndeadline_ms = 10000\n\
+                       [class.batch]\npriority = 10\nmax_queue = 1000\n";
+
+#[tokio::main]
+async fn main() {
+    let shape = Shape::default();
+    eprintln!("demo: starting llama-server (SmolLM2-135M, -np 1)");
+    let llama = LlamaServer::start(1).await;
+    eprintln!("demo: starting guard in front of it");
+    let guard = GuardProcess::start(llama.addr, "openai", CLASSES);
+    eprintln!(
+        "demo: workload: {} interactive chats of {} tokens while {} batch clients each send {}-token extractions back to back",
+        shape.chats, shape.chat_tokens, shape.batch_clients, shape.batch_tokens
+    );
+
+    let idle = workload::run(llama.addr, shape, false).await;
+    let direct = workload::run(llama.addr, shape, true).await;
+    workload::wait_until_idle(llama.addr).await;
+    let guarded = workload::run(guard.listen, shape, true).await;
+    workload::wait_until_idle(llama.addr).await;
+
+    let row = |name: &str, o: &workload::Outcome| {
+        println!(
+            "{name:<34} {:>9.0} {:>9.0} {:>9} {:>9}",
+            ms(percentile(&o.ttft, 0.5)),
+            ms(percentile(&o.ttft, 0.95)),
+            o.chats_rejected,
+            o.batch_completed
+        );
+    };
+    println!();
+    println!(
+        "interactive time to first token       p50 ms    p95 ms  rejected  batch done meanwhile"
+    );
+    row("idle llama-server, no flood", &idle);
+    row("batch flood, straight to llama", &direct);
+    row("batch flood, through guard", &guarded);
+    println!();
+    println!(
+        "guard holds the batch flood in its own queue and dispatches interactive work first;\n\
+         llama-server alone serves requests in arrival order behind the flood."
+    );
+    serve_until_ctrl_c(&guard, llama.addr).await;
+}
+
+async fn serve_until_ctrl_c(guard: &GuardProcess, llama: SocketAddr) {
+    println!();
+    println!(
+        "guard keeps serving: proxy http://{} -> llama-server http://{llama}",
+        guard.listen
+    );
+    println!("  metrics  http://{}/metrics", guard.metrics);
+    println!(
+        "  status   http://{}/status   (or: target/release/guard status --url http://{})",
+        guard.metrics, guard.metrics
+    );
+    println!(
+        "  try      curl -s http://{}/v1/chat/completions -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}]}}'",
+        guard.listen
+    );
+    println!("Ctrl-C stops guard and llama-server.");
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+fn ms(duration: Duration) -> f64 {
+    duration.as_secs_f64() * 1e3
+}
