@@ -47,6 +47,7 @@ struct EbpfState {
 /// Runs until SIGTERM or SIGINT; returns once everything is shut down and restored.
 pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), DaemonError> {
     let started = Instant::now();
+    raise_open_file_limit();
     let metrics = Metrics::new();
     for class in config.class.keys() {
         metrics.init_class(class);
@@ -133,6 +134,17 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
         .take();
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Each waiting client holds a socket: lift the soft limit on open files to the hard one.
+fn raise_open_file_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+        && soft < hard
+        && let Err(err) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard)
+    {
+        tracing::warn!(%err, soft, hard, "could not raise the open-file limit");
+    }
 }
 
 async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, DaemonError> {

@@ -38,15 +38,27 @@ pub struct Streamed {
 
 type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
 
-async fn connect(addr: SocketAddr) -> Result<Sender, String> {
+/// The task driving a client connection; dropping it closes the socket, as a client that
+/// goes away would.
+pub struct ConnectionTask(tokio::task::JoinHandle<()>);
+
+impl Drop for ConnectionTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+async fn connect(addr: SocketAddr) -> Result<(Sender, ConnectionTask), String> {
     let stream = tokio::net::TcpStream::connect(addr)
         .await
         .map_err(|e| e.to_string())?;
     let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| e.to_string())?;
-    tokio::spawn(connection);
-    Ok(sender)
+    let task = tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok((sender, ConnectionTask(task)))
 }
 
 fn request(
@@ -88,7 +100,7 @@ pub async fn send(
     headers: &[(&str, &str)],
     body: Bytes,
 ) -> Result<Response, String> {
-    let mut sender = connect(addr).await?;
+    let (mut sender, _connection) = connect(addr).await?;
     let response = sender
         .send_request(request(method, path, headers, body))
         .await
@@ -114,7 +126,7 @@ pub async fn post_streamed(
     headers: &[(&str, &str)],
     body: &serde_json::Value,
 ) -> Streamed {
-    let mut sender = connect(addr).await.expect("connect");
+    let (mut sender, _connection) = connect(addr).await.expect("connect");
     let response = sender
         .send_request(request(
             "POST",

@@ -6,6 +6,7 @@ use std::{
     net::SocketAddr,
     path::{Path, PathBuf},
     process::{Child, ChildStderr, Command, Stdio},
+    sync::{Arc, Condvar, Mutex},
     time::{Duration, Instant},
 };
 
@@ -154,8 +155,44 @@ pub struct GuardProcess {
     pub config_path: PathBuf,
     pub startup_log: Vec<String>,
     child: Child,
-    log: BufReader<ChildStderr>,
+    log: Arc<Log>,
+    /// How far `wait_for_log` has read.
+    cursor: usize,
     _dir: TempDir,
+}
+
+/// guard's log lines, read by a thread as they come so its stderr pipe never fills.
+#[derive(Default)]
+struct Log {
+    lines: Mutex<Vec<String>>,
+    grew: Condvar,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl Log {
+    fn follow(stderr: ChildStderr) -> Arc<Self> {
+        let log = Arc::new(Self::default());
+        let writer = Arc::clone(&log);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if std::env::var_os("GUARD_TEST_ECHO").is_some() {
+                    eprintln!("guard: {line}");
+                }
+                writer
+                    .lines
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(line);
+                writer.grew.notify_all();
+            }
+            writer
+                .closed
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            writer.grew.notify_all();
+        });
+        log
+    }
 }
 
 impl GuardProcess {
@@ -197,7 +234,7 @@ impl GuardProcess {
             command.uid(65534).gid(65534);
         }
         let mut child = command.spawn().expect("start guard");
-        let log = BufReader::new(child.stderr.take().expect("stderr"));
+        let log = Log::follow(child.stderr.take().expect("stderr"));
         let mut guard = Self {
             listen,
             metrics,
@@ -205,6 +242,7 @@ impl GuardProcess {
             startup_log: Vec::new(),
             child,
             log,
+            cursor: 0,
             _dir: dir,
         };
         guard.startup_log = guard.wait_for_log("guard is serving");
@@ -215,19 +253,45 @@ impl GuardProcess {
         self.child.id()
     }
 
-    /// Reads log lines until one contains `text`; returns the lines read.
+    /// Waits for a log line containing `text` after those already waited for; returns the
+    /// lines up to it.
     pub fn wait_for_log(&mut self, text: &str) -> Vec<String> {
-        let mut lines = Vec::new();
+        let deadline = Instant::now() + READY_BOUND;
+        let mut lines = self
+            .log
+            .lines
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         loop {
-            let mut line = String::new();
-            let read = self.log.read_line(&mut line).expect("read guard's log");
-            assert!(read > 0, "guard exited before logging `{text}`: {lines:#?}");
-            let found = line.contains(text);
-            lines.push(line);
-            if found {
-                return lines;
+            if let Some(offset) = lines[self.cursor..].iter().position(|l| l.contains(text)) {
+                let found = lines[self.cursor..=self.cursor + offset].to_vec();
+                self.cursor += offset + 1;
+                return found;
             }
+            let closed = self.log.closed.load(std::sync::atomic::Ordering::SeqCst);
+            assert!(
+                !closed,
+                "guard exited before logging `{text}`: {:#?}",
+                &lines[self.cursor..]
+            );
+            let left = deadline.saturating_duration_since(Instant::now());
+            assert!(!left.is_zero(), "guard never logged `{text}`");
+            lines = self
+                .log
+                .grew
+                .wait_timeout(lines, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
         }
+    }
+
+    /// Every line guard has logged so far.
+    pub fn log_lines(&self) -> Vec<String> {
+        self.log
+            .lines
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     /// A sample from guard's /metrics, by exact series name (with labels).
@@ -264,13 +328,6 @@ impl GuardProcess {
     /// SIGTERM; returns the exit status (None if it had to be killed).
     pub fn terminate(&mut self) -> Option<std::process::ExitStatus> {
         stop(&mut self.child, Duration::from_secs(30))
-    }
-
-    /// The rest of the log, after the process has exited.
-    pub fn rest_of_log(&mut self) -> String {
-        let mut rest = String::new();
-        let _ = std::io::Read::read_to_string(&mut self.log, &mut rest);
-        rest
     }
 }
 

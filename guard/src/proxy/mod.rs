@@ -197,14 +197,15 @@ pub async fn serve(
         let proxy = Arc::clone(&proxy);
         tokio::spawn(async move {
             tokio::select! {
+                biased;
+                // The client left: dropping the connection drops its requests (reaped) and
+                // with them any upstream request in flight.
+                () = connection.gone() => {}
                 result = serving => {
                     if let Err(err) = result {
                         tracing::debug!(%peer, %err, "client connection ended with an error");
                     }
                 }
-                // The client left: dropping the connection drops its requests (reaped) and
-                // with them any upstream request in flight.
-                () = connection.gone() => {}
             }
             proxy.connections.unregister(&connection);
         });

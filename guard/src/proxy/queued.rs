@@ -114,6 +114,12 @@ impl Proxy {
                 return tag(error.into_response(shape), &class, arrived.elapsed());
             }
         };
+        if connection.is_gone() {
+            // Its turn came as its client left: hand the permit on; the record counts it
+            // reaped while queued.
+            drop(permit);
+            return client_gone();
+        }
         record.dispatched();
         let waited = permit.waited();
         tracing::trace!(
@@ -147,6 +153,14 @@ impl Proxy {
             .inc();
         error.into_response(shape)
     }
+}
+
+/// The answer to a request whose client has left: nobody reads it (nginx logs such as 499).
+fn client_gone() -> Response<Body> {
+    let mut response = Response::new(full(""));
+    *response.status_mut() =
+        http::StatusCode::from_u16(499).unwrap_or(http::StatusCode::BAD_REQUEST);
+    response
 }
 
 /// Adds `X-Guard-Class` and `X-Guard-Queue-Ms` (the time the request waited in guard).

@@ -10,6 +10,9 @@ use tokio::sync::mpsc;
 
 use super::{event::ConnEvent, registry::Registry};
 
+/// Events handled in one go.
+const BATCH: usize = 1_024;
+
 /// Consumes kernel events until the stream ends.
 pub async fn run(
     mut events: mpsc::Receiver<ConnEvent>,
@@ -17,10 +20,15 @@ pub async fn run(
     listen_port: u16,
     half_close_means_gone: Arc<AtomicBool>,
 ) {
-    while let Some(event) = events.recv().await {
+    let mut batch = Vec::with_capacity(BATCH);
+    // Mark every departed client of a burst before any of their tasks runs again, so that a
+    // permit freed by one is not handed to another that has also left.
+    while events.recv_many(&mut batch, BATCH).await > 0 {
         let half_close = half_close_means_gone.load(Ordering::Relaxed);
-        if let Some(connection) = registry.apply(&event, listen_port, half_close) {
-            tracing::trace!(peer = %connection.peer, state = ?event.new, "client left");
+        for event in batch.drain(..) {
+            if let Some(connection) = registry.apply(&event, listen_port, half_close) {
+                tracing::trace!(peer = %connection.peer, state = ?event.new, "client left");
+            }
         }
     }
 }

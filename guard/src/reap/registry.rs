@@ -29,6 +29,11 @@ impl Connection {
         self.cancel.cancelled().await;
     }
 
+    /// Whether the client is known to have left.
+    pub fn is_gone(&self) -> bool {
+        self.cancel.is_cancelled()
+    }
+
     /// When the client left, by the kernel's clock, if it has.
     pub fn gone_at(&self) -> Option<Duration> {
         *self
