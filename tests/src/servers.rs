@@ -205,17 +205,21 @@ impl GuardProcess {
     pub fn start_as(upstream: SocketAddr, api: &str, extra: &str, unprivileged: bool) -> Self {
         let dir = TempDir::new(&format!("guard-e2e-{}", free_addr().port()));
         let (listen, metrics) = (free_addr(), free_addr());
-        // `extra` may have a [server] table of its own: listen goes into it.
-        let server = format!("[server]\nlisten = \"{listen}\"\n");
-        let extra = if extra.contains("[server]\n") {
-            extra.replacen("[server]\n", &server, 1)
-        } else {
-            format!("{server}{extra}")
+        // The test's own settings, with the addresses this harness chose merged in.
+        let mut config: toml::Table = extra.parse().expect("the test's config is TOML");
+        let mut set = |table: &str, key: &str, value: String| {
+            config
+                .entry(table)
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+                .as_table_mut()
+                .expect("a table")
+                .insert(key.to_owned(), toml::Value::String(value));
         };
-        let config = format!(
-            "[metrics]\nlisten = \"{metrics}\"\n\
-             [upstream]\nurl = \"http://{upstream}\"\napi = \"{api}\"\n{extra}"
-        );
+        set("server", "listen", listen.to_string());
+        set("metrics", "listen", metrics.to_string());
+        set("upstream", "url", format!("http://{upstream}"));
+        set("upstream", "api", api.to_owned());
+        let config = config.to_string();
         let config_path = dir.0.join("guard.toml");
         std::fs::write(&config_path, config).expect("write config");
         let mut command = Command::new(guard_bin());

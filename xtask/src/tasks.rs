@@ -11,12 +11,15 @@ use crate::setup::{self, Installed, run};
 pub enum Bench {
     /// eBPF close-event delivery latency, sustained rate and CPU per event.
     Ebpf,
+    /// Added latency, relay throughput, full-class answer time, TTFT under a batch flood.
+    Proxy,
 }
 
 impl Bench {
     fn target(self) -> &'static str {
         match self {
             Self::Ebpf => "ebpf",
+            Self::Proxy => "proxy",
         }
     }
 }
@@ -51,7 +54,7 @@ pub fn demo() -> Result<()> {
         "--bin",
         "demo",
     ])
-    .env("GUARD_BIN", "target/release/guard");
+    .env("GUARD_BIN", release_guard());
     export(&mut demo, &installed);
     run(&mut demo)
 }
@@ -59,8 +62,11 @@ pub fn demo() -> Result<()> {
 pub fn bench(which: Bench) -> Result<()> {
     require_root("the benchmarks load eBPF programs")?;
     let installed = setup::all()?;
+    run(cargo().args(["build", "--release", "-p", "guard"])).context("the build failed")?;
     let mut bench = cargo();
-    bench.args(["bench", "-p", "guard-tests", "--bench", which.target()]);
+    bench
+        .args(["bench", "-p", "guard-tests", "--bench", which.target()])
+        .env("GUARD_BIN", release_guard());
     export(&mut bench, &installed);
     run(&mut bench)
 }
@@ -70,6 +76,11 @@ fn export(command: &mut Command, installed: &Installed) {
     command
         .env("GUARD_LLAMA_SERVER", &installed.llama.server)
         .env("GUARD_LLAMA_MODEL", &installed.llama.model);
+}
+
+/// The release binary, by absolute path: benchmarks run from their package's directory.
+fn release_guard() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/release/guard")
 }
 
 fn cargo_path() -> String {
