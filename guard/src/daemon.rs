@@ -81,6 +81,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
         Arc::clone(&scheduler),
         connections,
         tracker,
+        Arc::clone(&half_close),
     )?);
     let status = status_fn(
         &config,

@@ -151,3 +151,50 @@ pub async fn post_streamed(
         frames,
     }
 }
+
+/// How a raw client leaves.
+#[derive(Clone, Copy, Debug)]
+pub enum Leave {
+    /// close(): the kernel sends FIN.
+    Fin,
+    /// SO_LINGER 0, then close(): the kernel sends RST.
+    Reset,
+}
+
+/// Sends one request on a fresh connection and returns the connection unread, so the test can
+/// leave while the request waits or runs.
+pub async fn raw_request(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &serde_json::Value,
+) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt as _;
+    let body = body.to_string();
+    let mut head = format!(
+        "POST {path} HTTP/1.1\r\nHost: guard-test\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(head.as_bytes()).await.expect("send head");
+    stream.write_all(body.as_bytes()).await.expect("send body");
+    stream
+}
+
+/// Leaves: closes the connection with a FIN or a reset; returns CLOCK_MONOTONIC right after.
+pub fn leave(stream: tokio::net::TcpStream, how: Leave) -> std::time::Duration {
+    if let Leave::Reset = how {
+        let linger = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::Linger, &linger)
+            .expect("SO_LINGER");
+    }
+    drop(stream);
+    guard::reap::event::monotonic_now()
+}

@@ -10,7 +10,10 @@ pub mod upstream;
 use std::{
     convert::Infallible,
     net::SocketAddr,
-    sync::{Arc, RwLock},
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -34,6 +37,7 @@ use crate::{
     reap::{
         EbpfTracker,
         registry::{Connection, Registry},
+        userspace,
     },
 };
 
@@ -66,6 +70,7 @@ pub struct Proxy {
     settings: RwLock<Arc<Settings>>,
     header_read_timeout: Duration,
     listen: SocketAddr,
+    half_close_means_gone: Arc<AtomicBool>,
 }
 
 impl Proxy {
@@ -75,6 +80,7 @@ impl Proxy {
         scheduler: Arc<Scheduler>,
         connections: Arc<Registry>,
         tracker: Option<Arc<EbpfTracker>>,
+        half_close_means_gone: Arc<AtomicBool>,
     ) -> Result<Self, ProxyError> {
         Ok(Self {
             upstream: Upstream::new(&config.upstream)?,
@@ -85,6 +91,7 @@ impl Proxy {
             settings: RwLock::new(Arc::new(Settings::from(config))),
             header_read_timeout: config.header_read_timeout(),
             listen: config.server.listen,
+            half_close_means_gone,
         })
     }
 
@@ -179,6 +186,15 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let connection = proxy.connections.register(peer);
+        // Without the kernel's events, watch the socket from user space.
+        let watched = match proxy.tracker {
+            Some(_) => None,
+            None => userspace::duplicate(&stream)
+                .inspect_err(
+                    |err| tracing::warn!(%peer, %err, "cannot watch this client for closes"),
+                )
+                .ok(),
+        };
         let service = {
             let proxy = Arc::clone(&proxy);
             let connection = Arc::clone(&connection);
@@ -188,19 +204,30 @@ pub async fn serve(
                 async move { Ok::<_, Infallible>(proxy.handle(request, &connection).await) }
             })
         };
+        let half_close = proxy.half_close_means_gone.load(Ordering::Relaxed);
         let serving = http1::Builder::new()
             .timer(TokioTimer::new())
             .header_read_timeout(proxy.header_read_timeout)
             .keep_alive(true)
+            // hyper, too, ends a connection whose client half-closed with a request pending,
+            // unless told that clients may half-close on purpose.
+            .half_close(!half_close)
             .serve_connection(TokioIo::new(stream), service);
         let serving = graceful.watch(serving);
         let proxy = Arc::clone(&proxy);
         tokio::spawn(async move {
+            let watch = async {
+                match watched {
+                    Some(socket) => userspace::watch(socket, &connection, half_close).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 biased;
                 // The client left: dropping the connection drops its requests (reaped) and
                 // with them any upstream request in flight.
                 () = connection.gone() => {}
+                () = watch => {}
                 result = serving => {
                     if let Err(err) = result {
                         tracing::debug!(%peer, %err, "client connection ended with an error");

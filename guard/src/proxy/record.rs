@@ -121,10 +121,11 @@ impl Drop for RequestRecord {
             .reaped_total
             .with_label_values(&[class, stage])
             .inc();
+        let dropped_at = monotonic_now();
         let latency = self
             .connection
             .gone_at()
-            .map(|gone_at| monotonic_now().saturating_sub(gone_at));
+            .map(|gone_at| dropped_at.saturating_sub(gone_at));
         if let Some(latency) = latency {
             self.metrics
                 .reap_latency_seconds
@@ -135,6 +136,7 @@ impl Drop for RequestRecord {
             class,
             stage,
             latency_us = latency.map(|l| l.as_micros() as u64),
+            dropped_at_ns = dropped_at.as_nanos() as u64,
             "reaped: the client left"
         );
     }

@@ -6,6 +6,7 @@ mod mounts;
 pub mod owner;
 pub mod reaper;
 pub mod registry;
+pub mod userspace;
 
 pub use ebpf::{ConnOwner, EbpfError, EbpfTracker};
 pub use event::{ConnEvent, TcpState};

@@ -1,0 +1,367 @@
+//! Departed clients cost nothing, proven against the real llama-server: queued requests whose
+//! clients leave (FIN or reset) never reach it, a streaming client that leaves frees its slot
+//! within 2 s, 500 queued clients vanishing at once are all reaped and the counters reconcile,
+//! a keep-alive connection closed between requests reaps nothing; with eBPF and without.
+
+use std::time::{Duration, Instant};
+
+use guard_tests::{
+    http::{Leave, leave, post, raw_request},
+    serial,
+    servers::{GuardProcess, LlamaServer, OllamaEmulator},
+};
+use serde_json::json;
+
+const CLASSES: &str = "[class.interactive]\npriority = 0\nmax_queue = 8\n\
+                       [class.batch]\npriority = 10\nmax_queue = 1000\n";
+const EBPF_OFF: &str = "[ebpf]\nenabled = false\n";
+
+fn config(ebpf: bool) -> String {
+    if ebpf {
+        CLASSES.to_owned()
+    } else {
+        format!("{CLASSES}{EBPF_OFF}")
+    }
+}
+
+fn completion(tokens: u32, prompt: &str) -> serde_json::Value {
+    json!({ "prompt": prompt, "n_predict": tokens, "ignore_eos": true })
+}
+
+async fn queued_clients_that_leave_never_reach_the_server(ebpf: bool) {
+    let _serial = serial().await;
+    let llama = LlamaServer::start(1).await;
+    let guard = GuardProcess::start(llama.addr, "openai", &config(ebpf));
+    assert_eq!(
+        guard.metric("guard_ebpf_attached").await,
+        if ebpf { 1.0 } else { 0.0 }
+    );
+    let before = llama.metric("tokens_predicted_total").await;
+    let (addr, running_tokens) = (guard.listen, 200);
+    let running = tokio::spawn(async move {
+        post(
+            addr,
+            "/completion",
+            &[("x-guard-class", "batch")],
+            &completion(running_tokens, "Tell a story."),
+        )
+        .await
+    });
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    let fin = raw_request(
+        guard.listen,
+        "/completion",
+        &[("x-guard-class", "batch")],
+        &completion(50, "One."),
+    )
+    .await;
+    let reset = raw_request(
+        guard.listen,
+        "/completion",
+        &[("x-guard-class", "batch")],
+        &completion(50, "Two."),
+    )
+    .await;
+    guard
+        .wait_for_metric("guard_queue_depth{class=\"batch\"}", 2.0)
+        .await;
+    leave(fin, Leave::Fin);
+    leave(reset, Leave::Reset);
+    guard
+        .wait_for_metric("guard_reaped_total{class=\"batch\",stage=\"queued\"}", 2.0)
+        .await;
+    assert_eq!(
+        guard.metric("guard_queue_depth{class=\"batch\"}").await,
+        0.0
+    );
+    assert_eq!(running.await.expect("running").status, 200);
+    let generated = llama.metric("tokens_predicted_total").await - before;
+    assert_eq!(
+        generated,
+        f64::from(running_tokens),
+        "llama-server generated only for the client that stayed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn queued_clients_that_leave_never_reach_the_server_ebpf() {
+    queued_clients_that_leave_never_reach_the_server(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn queued_clients_that_leave_never_reach_the_server_userspace() {
+    queued_clients_that_leave_never_reach_the_server(false).await;
+}
+
+async fn a_streaming_client_that_leaves_frees_the_slot(ebpf: bool, how: Leave) {
+    use tokio::io::AsyncReadExt as _;
+    let _serial = serial().await;
+    let llama = LlamaServer::start(1).await;
+    let guard = GuardProcess::start(llama.addr, "openai", &config(ebpf));
+    let body = json!({ "prompt": "Tell a long story.", "n_predict": 2000, "ignore_eos": true, "stream": true });
+    let mut stream = raw_request(guard.listen, "/completion", &[], &body).await;
+    // Read until the first token has been relayed: the server is generating.
+    let mut buffer = vec![0u8; 4096];
+    let mut seen = String::new();
+    while !seen.contains("data: ") {
+        let n = stream.read(&mut buffer).await.expect("read");
+        assert!(n > 0, "stream ended early: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buffer[..n]));
+    }
+    assert_eq!(llama.metric("requests_processing").await, 1.0);
+    let left = Instant::now();
+    leave(stream, how);
+    loop {
+        if llama.metric("requests_processing").await == 0.0 {
+            break;
+        }
+        assert!(
+            left.elapsed() < Duration::from_secs(2),
+            "the slot was not freed within 2 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let freed = left.elapsed();
+    eprintln!("slot freed {freed:?} after the client left ({how:?}, eBPF {ebpf})");
+    guard
+        .wait_for_metric(
+            "guard_reaped_total{class=\"interactive\",stage=\"running\"}",
+            1.0,
+        )
+        .await;
+    let generated = llama.metric("tokens_predicted_total").await;
+    assert!(
+        generated < 2000.0,
+        "generation stopped early: {generated} tokens"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_streaming_client_that_closes_frees_the_slot_ebpf() {
+    a_streaming_client_that_leaves_frees_the_slot(true, Leave::Fin).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_streaming_client_that_resets_frees_the_slot_ebpf() {
+    a_streaming_client_that_leaves_frees_the_slot(true, Leave::Reset).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_streaming_client_that_closes_frees_the_slot_userspace() {
+    a_streaming_client_that_leaves_frees_the_slot(false, Leave::Fin).await;
+}
+
+async fn five_hundred_queued_clients_vanish_at_once(ebpf: bool) {
+    const CLIENTS: usize = 500;
+    let _serial = serial().await;
+    let ollama = OllamaEmulator::start(&["--tokens", "500", "--token-delay-ms", "20"]);
+    let guard = GuardProcess::start(ollama.addr, "ollama", &config(ebpf));
+    let chat =
+        json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }] });
+    let running = raw_request(
+        guard.listen,
+        "/api/chat",
+        &[("x-guard-class", "batch")],
+        &chat,
+    )
+    .await;
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    let mut clients = Vec::new();
+    for i in 0..CLIENTS {
+        clients.push(
+            raw_request(
+                guard.listen,
+                "/api/chat",
+                &[("x-guard-class", "batch")],
+                &chat,
+            )
+            .await,
+        );
+        if i % 100 == 99 {
+            guard
+                .wait_for_metric("guard_queue_depth{class=\"batch\"}", (i + 1) as f64)
+                .await;
+        }
+    }
+    guard
+        .wait_for_metric("guard_queue_depth{class=\"batch\"}", CLIENTS as f64)
+        .await;
+    for (i, client) in clients.into_iter().enumerate() {
+        leave(client, if i % 2 == 0 { Leave::Fin } else { Leave::Reset });
+    }
+    guard
+        .wait_for_metric(
+            "guard_reaped_total{class=\"batch\",stage=\"queued\"}",
+            CLIENTS as f64,
+        )
+        .await;
+    assert_eq!(
+        guard.metric("guard_queue_depth{class=\"batch\"}").await,
+        0.0
+    );
+    leave(running, Leave::Fin);
+    guard
+        .wait_for_metric("guard_reaped_total{class=\"batch\",stage=\"running\"}", 1.0)
+        .await;
+    let text = guard.metrics_text().await;
+    let m = |s: &str| guard_tests::metric(&text, s).unwrap_or(0.0);
+    assert_eq!(
+        m("guard_admitted_total{class=\"batch\"}"),
+        (CLIENTS + 1) as f64
+    );
+    assert_eq!(
+        m("guard_requests_total{class=\"batch\",outcome=\"reaped\"}"),
+        (CLIENTS + 1) as f64
+    );
+    assert_eq!(m("guard_inflight{class=\"batch\"}"), 0.0);
+    let stats = ollama.stats().await;
+    assert_eq!(
+        stats["requests"]["/api/chat"], 1,
+        "only the running chat reached the upstream"
+    );
+    if ebpf {
+        // hyper also notices a read EOF on a connection with a request in flight; whichever
+        // sees the close first drops the request. Reaps the kernel event drove are timed.
+        let count = m("guard_reap_latency_seconds_count");
+        let sum = m("guard_reap_latency_seconds_sum");
+        eprintln!(
+            "{count} reaps timed from the kernel event, mean {:.0} us",
+            sum / count * 1e6
+        );
+        assert!(count > 0.0, "the kernel event drove some reaps");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn five_hundred_queued_clients_vanish_at_once_ebpf() {
+    five_hundred_queued_clients_vanish_at_once(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn five_hundred_queued_clients_vanish_at_once_userspace() {
+    five_hundred_queued_clients_vanish_at_once(false).await;
+}
+
+async fn keep_alive_close_between_requests_reaps_nothing(ebpf: bool) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let _serial = serial().await;
+    let ollama = OllamaEmulator::start(&["--tokens", "3", "--token-delay-ms", "1"]);
+    let guard = GuardProcess::start(ollama.addr, "ollama", &config(ebpf));
+    let body = json!({ "model": "smollm2:135m", "prompt": "hi", "stream": false }).to_string();
+    let request = format!(
+        "POST /api/generate HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = tokio::net::TcpStream::connect(guard.listen)
+        .await
+        .expect("connect");
+    for _ in 0..2 {
+        stream.write_all(request.as_bytes()).await.expect("send");
+        // Read one whole response (Content-Length framed) before the next request.
+        let mut response = Vec::new();
+        let mut buffer = [0u8; 4096];
+        loop {
+            let n = stream.read(&mut buffer).await.expect("read");
+            assert!(n > 0, "closed early");
+            response.extend_from_slice(&buffer[..n]);
+            let text = String::from_utf8_lossy(&response);
+            if let Some((head, rest)) = text.split_once("\r\n\r\n") {
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| {
+                        l.to_ascii_lowercase()
+                            .strip_prefix("content-length: ")
+                            .map(str::to_owned)
+                    })
+                    .and_then(|v| v.trim().parse().ok())
+                    .expect("content-length");
+                if rest.len() >= length {
+                    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+                    break;
+                }
+            }
+        }
+    }
+    guard
+        .wait_for_metric(
+            "guard_requests_total{class=\"interactive\",outcome=\"completed\"}",
+            2.0,
+        )
+        .await;
+    leave(stream, Leave::Fin);
+    // A later request's completion orders the check after the close was handled.
+    assert_eq!(
+        post(
+            guard.listen,
+            "/api/generate",
+            &[],
+            &json!({ "model": "smollm2:135m", "prompt": "x", "stream": false })
+        )
+        .await
+        .status,
+        200
+    );
+    let text = guard.metrics_text().await;
+    let reaped = guard_tests::metric(
+        &text,
+        "guard_requests_total{class=\"interactive\",outcome=\"reaped\"}",
+    );
+    assert_eq!(reaped, Some(0.0), "an idle keep-alive close reaps nothing");
+    assert_eq!(
+        guard_tests::metric(
+            &text,
+            "guard_requests_total{class=\"interactive\",outcome=\"completed\"}"
+        ),
+        Some(3.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn keep_alive_close_between_requests_reaps_nothing_ebpf() {
+    keep_alive_close_between_requests_reaps_nothing(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn keep_alive_close_between_requests_reaps_nothing_userspace() {
+    keep_alive_close_between_requests_reaps_nothing(false).await;
+}
+
+async fn half_close(means_gone: bool) -> (usize, f64) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let _serial = serial().await;
+    let ollama = OllamaEmulator::start(&["--tokens", "5", "--token-delay-ms", "20"]);
+    let extra = format!("{CLASSES}[server]\nhalf_close_means_gone = {means_gone}\n");
+    let guard = GuardProcess::start(ollama.addr, "ollama", &extra);
+    let body = json!({ "model": "smollm2:135m", "prompt": "hi", "stream": false });
+    let mut stream = raw_request(guard.listen, "/api/generate", &[], &body).await;
+    stream
+        .shutdown()
+        .await
+        .expect("half-close: shut down the sending side");
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response).await;
+    let outcome = if means_gone { "reaped" } else { "completed" };
+    let series = format!("guard_requests_total{{class=\"interactive\",outcome=\"{outcome}\"}}");
+    guard.wait_for_metric(&series, 1.0).await;
+    let reaped = guard
+        .metric("guard_requests_total{class=\"interactive\",outcome=\"reaped\"}")
+        .await;
+    (response.len(), reaped)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_half_close_means_gone_by_default() {
+    let (answer, reaped) = half_close(true).await;
+    assert_eq!((answer, reaped), (0, 1.0), "no answer; reaped");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_half_close_is_answered_when_configured() {
+    let (answer, reaped) = half_close(false).await;
+    assert!(answer > 0, "the half-closed client got its answer");
+    assert_eq!(reaped, 0.0);
+}
