@@ -333,11 +333,16 @@ async fn keep_alive_close_between_requests_reaps_nothing_userspace() {
 async fn half_close(means_gone: bool) -> (usize, f64) {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let _serial = serial().await;
-    let ollama = OllamaEmulator::start(&["--tokens", "5", "--token-delay-ms", "20"]);
+    let ollama = OllamaEmulator::start(&["--tokens", "20", "--token-delay-ms", "50"]);
     let extra = format!("{CLASSES}[server]\nhalf_close_means_gone = {means_gone}\n");
     let guard = GuardProcess::start(ollama.addr, "ollama", &extra);
     let body = json!({ "model": "smollm2:135m", "prompt": "hi", "stream": false });
     let mut stream = raw_request(guard.listen, "/api/generate", &[], &body).await;
+    // Half-close once the request runs (a FIN before hyper has read the request is a client
+    // that left before asking anything).
+    guard
+        .wait_for_metric("guard_inflight{class=\"interactive\"}", 1.0)
+        .await;
     stream
         .shutdown()
         .await
