@@ -203,6 +203,18 @@ impl GuardProcess {
     }
 
     pub fn start_as(upstream: SocketAddr, api: &str, extra: &str, unprivileged: bool) -> Self {
+        let filter = std::env::var("GUARD_LOG").unwrap_or_else(|_| "info".to_owned());
+        Self::start_with(upstream, api, extra, unprivileged, &filter)
+    }
+
+    /// Starts guard with a log filter of the caller's (GUARD_LOG syntax).
+    pub fn start_with(
+        upstream: SocketAddr,
+        api: &str,
+        extra: &str,
+        unprivileged: bool,
+        log_filter: &str,
+    ) -> Self {
         let dir = TempDir::new(&format!("guard-e2e-{}", free_addr().port()));
         let (listen, metrics) = (free_addr(), free_addr());
         // The test's own settings, with the addresses this harness chose merged in.
@@ -226,10 +238,7 @@ impl GuardProcess {
         command
             .args(["run", "--config"])
             .arg(&config_path)
-            .env(
-                "GUARD_LOG",
-                std::env::var("GUARD_LOG").unwrap_or_else(|_| "info".to_owned()),
-            )
+            .env("GUARD_LOG", log_filter)
             .stderr(Stdio::piped());
         if unprivileged {
             use std::os::unix::{fs::PermissionsExt as _, process::CommandExt as _};

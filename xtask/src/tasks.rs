@@ -13,6 +13,8 @@ pub enum Bench {
     Ebpf,
     /// Added latency, relay throughput, full-class answer time, TTFT under a batch flood.
     Proxy,
+    /// Reap latency with eBPF and from user space; tokens not generated for departed clients.
+    Reap,
 }
 
 impl Bench {
@@ -20,6 +22,7 @@ impl Bench {
         match self {
             Self::Ebpf => "ebpf",
             Self::Proxy => "proxy",
+            Self::Reap => "reap",
         }
     }
 }

@@ -1,0 +1,163 @@
+//! `cargo xtask bench reap`: how fast guard drops work whose client left, with the kernel's
+//! close events (eBPF) and with user-space detection only, and the tokens llama-server did not
+//! generate for departed clients through guard, against the same workload sent straight to it.
+
+use std::time::Duration;
+
+use guard_tests::{
+    http::{Leave, leave, post, raw_request},
+    servers::{GuardProcess, LlamaServer, OllamaEmulator},
+    workload::{percentile, wait_until_idle},
+};
+use serde_json::json;
+
+const SAMPLES: usize = 300;
+const CLASSES: &str = "[class.interactive]\npriority = 0\nmax_queue = 8\n[class.batch]\npriority = 10\nmax_queue = 1000\n";
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        let ebpf = reap_latency(true).await;
+        let user = reap_latency(false).await;
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        println!("1. reap latency, client close() returned -> request dropped in guard, {SAMPLES} queued requests each:");
+        for (name, samples) in [("eBPF", &ebpf), ("user space", &user)] {
+            println!(
+                "   {name:<10} p50 {:>7.0} us, p99 {:>7.0} us, max {:>7.0} us",
+                us(percentile(samples, 0.5)),
+                us(percentile(samples, 0.99)),
+                us(percentile(samples, 1.0))
+            );
+        }
+        println!(
+            "   eBPF p99 target <= 5000 us: {}; eBPF p99 / user-space p99 = {:.2}",
+            if percentile(&ebpf, 0.99) <= Duration::from_millis(5) { "met" } else { "missed" },
+            percentile(&ebpf, 0.99).as_secs_f64() / percentile(&user, 0.99).as_secs_f64()
+        );
+        wasted_tokens().await;
+    });
+}
+
+/// Queues one request at a time behind a running one, closes its client, and times the drop
+/// from guard's debug log (CLOCK_MONOTONIC, the same clock here).
+async fn reap_latency(ebpf: bool) -> Vec<Duration> {
+    let ollama = OllamaEmulator::start(&["--tokens", "100000", "--token-delay-ms", "50"]);
+    let extra = if ebpf {
+        CLASSES.to_owned()
+    } else {
+        format!("{CLASSES}[ebpf]\nenabled = false\n")
+    };
+    let mut guard = GuardProcess::start_with(ollama.addr, "ollama", &extra, false, "guard=debug");
+    let chat =
+        json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }] });
+    let _running = raw_request(
+        guard.listen,
+        "/api/chat",
+        &[("x-guard-class", "batch")],
+        &chat,
+    )
+    .await;
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    let mut samples = Vec::with_capacity(SAMPLES);
+    for i in 0..SAMPLES {
+        let client = raw_request(
+            guard.listen,
+            "/api/chat",
+            &[("x-guard-class", "batch")],
+            &chat,
+        )
+        .await;
+        let peer = client.local_addr().expect("addr");
+        guard
+            .wait_for_metric("guard_admitted_total{class=\"batch\"}", (i + 2) as f64)
+            .await;
+        let closed = leave(client, Leave::Fin);
+        let lines = guard.wait_for_log(&format!("peer={peer}"));
+        let line = lines.last().expect("the reap line");
+        let dropped_ns: u64 = line
+            .split("dropped_at_ns=")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no dropped_at_ns in {line}"));
+        samples.push(Duration::from_nanos(dropped_ns).saturating_sub(closed));
+    }
+    samples
+}
+
+/// Tokens llama-server generated for clients that had left: queued ones that left while
+/// waiting, and streaming ones that left after their first token.
+async fn wasted_tokens() {
+    const LEAVERS: usize = 4;
+    const TOKENS: u32 = 400;
+    let llama = LlamaServer::start(1).await;
+    let guard = GuardProcess::start(llama.addr, "openai", CLASSES);
+    println!(
+        "2. tokens generated for clients that left ({LEAVERS} queued behind a running request, each leaving after 300 ms; {LEAVERS} streaming, each leaving after its first token; {TOKENS} tokens asked each):"
+    );
+    for (name, target) in [
+        ("straight to llama-server", llama.addr),
+        ("through guard", guard.listen),
+    ] {
+        wait_until_idle(llama.addr).await;
+        let before = llama.metric("tokens_predicted_total").await;
+        let stayer = tokio::spawn(async move {
+            post(
+                target,
+                "/completion",
+                &[("x-guard-class", "batch")],
+                &json!({ "prompt": "Stay.", "n_predict": 300, "ignore_eos": true }),
+            )
+            .await
+        });
+        // Let the stayer take the slot first.
+        loop {
+            if llama.metric("requests_processing").await >= 1.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let mut leavers = Vec::new();
+        for i in 0..LEAVERS {
+            let body =
+                json!({ "prompt": format!("Leave {i}."), "n_predict": TOKENS, "ignore_eos": true });
+            leavers.push(
+                raw_request(target, "/completion", &[("x-guard-class", "batch")], &body).await,
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for leaver in leavers {
+            leave(leaver, Leave::Fin);
+        }
+        stayer.await.expect("stayer");
+        wait_until_idle(llama.addr).await;
+        let queued_waste = llama.metric("tokens_predicted_total").await - before - 300.0;
+
+        let before = llama.metric("tokens_predicted_total").await;
+        for i in 0..LEAVERS {
+            use tokio::io::AsyncReadExt as _;
+            let body = json!({ "prompt": format!("Stream {i}."), "n_predict": TOKENS, "ignore_eos": true, "stream": true });
+            let mut stream = raw_request(target, "/completion", &[], &body).await;
+            let mut buffer = [0u8; 4096];
+            let mut seen = String::new();
+            while !seen.contains("data: ") {
+                let n = stream.read(&mut buffer).await.expect("read");
+                if n == 0 {
+                    break;
+                }
+                seen.push_str(&String::from_utf8_lossy(&buffer[..n]));
+            }
+            leave(stream, Leave::Fin);
+            wait_until_idle(llama.addr).await;
+        }
+        let streaming_waste = llama.metric("tokens_predicted_total").await - before;
+        println!(
+            "   {name:<25} queued leavers: {queued_waste:>5.0} tokens; streaming leavers: {streaming_waste:>5.0} tokens"
+        );
+    }
+}
