@@ -19,9 +19,10 @@ use tokio::{
 use crate::{
     config::Config,
     metrics::{self, Metrics},
-    proxy::{self, Proxy, ProxyError},
+    proxy::{self, Proxy, ProxyError, Upstream},
     queue::Scheduler,
     reap::{ConnEvent, EbpfError, EbpfTracker, reaper, registry::Registry},
+    watch::{self as watchers, Watched},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +76,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
     }
 
     let scheduler = Scheduler::new(&config, metrics.clone());
+    let watched = watchers::spawn(&config, &metrics, Upstream::new(&config.upstream)?);
     let proxy = Arc::new(Proxy::new(
         &config,
         metrics.clone(),
@@ -82,6 +84,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
         connections,
         tracker,
         Arc::clone(&half_close),
+        Arc::clone(&watched),
     )?);
     let status = status_fn(
         &config,
@@ -89,6 +92,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
         &metrics,
         Arc::clone(&ebpf),
         Arc::clone(&scheduler),
+        Arc::clone(&watched),
         started,
     );
     let metrics_task = tokio::spawn(metrics::serve(metrics_listener, metrics.clone(), status));
@@ -236,6 +240,7 @@ fn status_fn(
     metrics: &Metrics,
     ebpf: Arc<Mutex<EbpfState>>,
     scheduler: Arc<Scheduler>,
+    watched: Arc<Watched>,
     started: Instant,
 ) -> metrics::StatusFn {
     let config = config.clone();
@@ -261,6 +266,7 @@ fn status_fn(
                 "ring_drops_total": metrics.ebpf_ring_drops_total.get(),
             },
             "classes": scheduler.snapshot(),
+            "watch": watched.status(),
         })
     })
 }

@@ -12,3 +12,4 @@ pub mod proxy;
 pub mod queue;
 pub mod reap;
 pub mod status;
+pub mod watch;

@@ -28,6 +28,8 @@ pub struct Config {
     pub metrics: MetricsConfig,
     pub ebpf: EbpfConfig,
     pub estimate: EstimateConfig,
+    pub watch: WatchConfig,
+    pub risk: RiskConfig,
     pub class: BTreeMap<String, ClassConfig>,
     pub classify: ClassifyConfig,
 }
@@ -55,6 +57,8 @@ pub struct UpstreamConfig {
     pub connect_timeout_ms: u64,
     /// Time from sending a request to the upstream's response head; past it guard answers 504.
     pub response_timeout_ms: u64,
+    /// Refuse (403) requests for models served from elsewhere (Ollama's remote/cloud models).
+    pub refuse_remote_models: bool,
 }
 
 /// The upstream's API flavour: decides the error body shape on paths it does not name itself.
@@ -89,6 +93,66 @@ impl Default for EstimateConfig {
     fn default() -> Self {
         Self {
             initial_service_ms: 1_000,
+        }
+    }
+}
+
+/// The watchers of what fails quietly.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct WatchConfig {
+    pub interval_ms: u64,
+    /// The inference server's pid; 0 finds it by the upstream's listening port.
+    pub upstream_pid: u32,
+    /// A model load (Ollama's load_duration) longer than this counts as a cold load.
+    pub cold_load_ms: u64,
+}
+
+impl Default for WatchConfig {
+    fn default() -> Self {
+        Self {
+            interval_ms: 1_000,
+            upstream_pid: 0,
+            cold_load_ms: 1_000,
+        }
+    }
+}
+
+/// When protected classes' deadlines are at risk (DESIGN section 8).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RiskConfig {
+    /// Classes with a priority value at or below this are protected; those above are held back
+    /// and throttled while at risk.
+    pub protect_priority: i32,
+    /// At risk when a protected request has waited this share of its deadline.
+    pub wait_fraction: f64,
+    /// At risk when a protected class's recent TTFT p95 exceeds its deadline (needs this many
+    /// samples in the window).
+    pub ttft_min_samples: usize,
+    /// At risk above this swap-in rate.
+    pub swap_in_pages_per_second: f64,
+    /// At risk above this memory pressure (PSI full avg10, 0..1).
+    pub memory_pressure: f64,
+    /// At risk above this share of GPU memory used.
+    pub gpu_memory: f64,
+    /// Risk must stay clear this long before holds and throttles are lifted.
+    pub hold_ms: u64,
+    /// Where guard records cgroup values before it changes them, to restore after a crash.
+    pub state_dir: PathBuf,
+}
+
+impl Default for RiskConfig {
+    fn default() -> Self {
+        Self {
+            protect_priority: 0,
+            wait_fraction: 0.5,
+            ttft_min_samples: 5,
+            swap_in_pages_per_second: 100.0,
+            memory_pressure: 0.10,
+            gpu_memory: 0.95,
+            hold_ms: 10_000,
+            state_dir: PathBuf::from("/var/lib/guard"),
         }
     }
 }
@@ -173,6 +237,8 @@ impl Default for Config {
             metrics: MetricsConfig::default(),
             ebpf: EbpfConfig::default(),
             estimate: EstimateConfig::default(),
+            watch: WatchConfig::default(),
+            risk: RiskConfig::default(),
             class,
             classify: ClassifyConfig::default(),
         }
@@ -199,6 +265,7 @@ impl Default for UpstreamConfig {
             max_concurrency: 1,
             connect_timeout_ms: 2_000,
             response_timeout_ms: 300_000,
+            refuse_remote_models: false,
         }
     }
 }
@@ -309,6 +376,21 @@ impl Config {
                 "metrics.listen",
                 format!("{} is already server.listen", self.metrics.listen),
             );
+        }
+        if self.watch.interval_ms < 100 {
+            return fail("watch.interval_ms", "must be 100 or more".to_owned());
+        }
+        for (key, value) in [
+            ("risk.wait_fraction", self.risk.wait_fraction),
+            ("risk.memory_pressure", self.risk.memory_pressure),
+            ("risk.gpu_memory", self.risk.gpu_memory),
+        ] {
+            if !(0.0..=1.0).contains(&value) || value == 0.0 {
+                return fail(key, format!("{value} is not in (0, 1]"));
+            }
+        }
+        if !self.risk.state_dir.is_absolute() {
+            return fail("risk.state_dir", "must be an absolute path".to_owned());
         }
         if self.class.is_empty() {
             return fail("class", "at least one class is needed".to_owned());

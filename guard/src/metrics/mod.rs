@@ -41,6 +41,10 @@ pub struct Metrics {
     pub admitted_total: IntCounterVec,
     pub rejected_after_queueing_total: IntCounterVec,
     pub invalid_requests_total: IntCounterVec,
+    pub model_cold_loads_total: IntCounterVec,
+    pub model_last_load_seconds: prometheus::GaugeVec,
+    pub class_deadline_seconds: prometheus::GaugeVec,
+    pub remote_refused_total: IntCounterVec,
 }
 
 impl Metrics {
@@ -132,6 +136,26 @@ impl Metrics {
                 "Requests to queued endpoints refused before queueing: malformed_json, body_too_large, unknown_class, body_read.",
                 &["reason"],
             ),
+            model_cold_loads_total: counter_vec(
+                "guard_model_cold_loads_total",
+                "Responses whose model had to be loaded first (Ollama load_duration above watch.cold_load_ms).",
+                &["model"],
+            ),
+            model_last_load_seconds: prometheus::GaugeVec::new(
+                Opts::new("guard_model_last_load_seconds", "The last load_duration Ollama reported for a model."),
+                &["model"],
+            )
+            .expect("valid gauge"),
+            class_deadline_seconds: prometheus::GaugeVec::new(
+                Opts::new("guard_class_deadline_seconds", "A class's configured time-to-first-token deadline."),
+                &["class"],
+            )
+            .expect("valid gauge"),
+            remote_refused_total: counter_vec(
+                "guard_remote_refused_total",
+                "Requests refused (403) because their model is served from elsewhere (upstream.refuse_remote_models).",
+                &["model"],
+            ),
             registry,
         };
         metrics.register_all();
@@ -157,6 +181,10 @@ impl Metrics {
             Box::new(self.admitted_total.clone()),
             Box::new(self.rejected_after_queueing_total.clone()),
             Box::new(self.invalid_requests_total.clone()),
+            Box::new(self.model_cold_loads_total.clone()),
+            Box::new(self.model_last_load_seconds.clone()),
+            Box::new(self.class_deadline_seconds.clone()),
+            Box::new(self.remote_refused_total.clone()),
         ];
         for collector in collectors {
             self.registry

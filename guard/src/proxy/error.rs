@@ -37,6 +37,11 @@ pub enum ProxyError {
         reason: RejectReason,
         retry_after: Duration,
     },
+    #[error(
+        "model `{model}` is served from elsewhere (a remote or cloud model) and \
+         upstream.refuse_remote_models is set: the request would leave this machine"
+    )]
+    RemoteModel { model: String },
     #[error("upstream unreachable: {0}")]
     UpstreamUnreachable(String),
     #[error("upstream did not answer within {} ms", .0.as_millis())]
@@ -60,6 +65,7 @@ impl ProxyError {
             }
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Rejected { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::RemoteModel { .. } => StatusCode::FORBIDDEN,
             Self::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
     }
@@ -73,6 +79,7 @@ impl ProxyError {
             Self::BodyTooLarge { .. } => "body_too_large",
             Self::MalformedJson(_) => "malformed_json",
             Self::Rejected { reason, .. } => reason.as_str(),
+            Self::RemoteModel { .. } => "remote_model_refused",
             Self::UpstreamUnreachable(_) => "upstream_unreachable",
             Self::UpstreamTimeout(_) => "upstream_timeout",
         }

@@ -39,6 +39,7 @@ use crate::{
         registry::{Connection, Registry},
         userspace,
     },
+    watch::Watched,
 };
 
 /// Endpoints whose requests wait in the class queues (DESIGN section 6).
@@ -58,6 +59,8 @@ struct Settings {
     classifier: Classifier,
     api: Api,
     body_limit: u64,
+    refuse_remote_models: bool,
+    cold_load: Duration,
 }
 
 /// What every connection handler shares.
@@ -71,6 +74,7 @@ pub struct Proxy {
     header_read_timeout: Duration,
     listen: SocketAddr,
     half_close_means_gone: Arc<AtomicBool>,
+    remote_models: Arc<Watched>,
 }
 
 impl Proxy {
@@ -81,6 +85,7 @@ impl Proxy {
         connections: Arc<Registry>,
         tracker: Option<Arc<EbpfTracker>>,
         half_close_means_gone: Arc<AtomicBool>,
+        watched: Arc<Watched>,
     ) -> Result<Self, ProxyError> {
         Ok(Self {
             upstream: Upstream::new(&config.upstream)?,
@@ -92,6 +97,7 @@ impl Proxy {
             header_read_timeout: config.header_read_timeout(),
             listen: config.server.listen,
             half_close_means_gone,
+            remote_models: watched,
         })
     }
 
@@ -144,6 +150,8 @@ impl From<&Config> for Settings {
             classifier: Classifier::new(config),
             api: config.upstream.api,
             body_limit: config.server.body_limit_bytes,
+            refuse_remote_models: config.upstream.refuse_remote_models,
+            cold_load: Duration::from_millis(config.watch.cold_load_ms),
         }
     }
 }

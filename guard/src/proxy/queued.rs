@@ -13,7 +13,7 @@ use super::{
     error::{ErrorShape, ProxyError, full},
     error_shape,
     record::{Outcome, RequestRecord},
-    relay::RelayBody,
+    relay::{ColdLoadProbe, RelayBody},
     upstream::Body,
 };
 use crate::{
@@ -62,6 +62,13 @@ impl Proxy {
             }
         };
         let model = json.get("model").and_then(serde_json::Value::as_str);
+        if let Some(model) = model
+            && settings.refuse_remote_models
+            && self.remote_models.remote_models.is_remote(model)
+        {
+            self.metrics.remote_refused_total.with_label_values(&[model]).inc();
+            return ProxyError::RemoteModel { model: model.to_owned() }.into_response(shape);
+        }
 
         let decision = {
             let (listen, peer) = (self.listen, connection.peer);
@@ -129,12 +136,18 @@ impl Proxy {
             "dispatched"
         );
 
+        let cold_load = (shape == ErrorShape::Ollama).then(|| ColdLoadProbe {
+            model: model.unwrap_or("unknown").to_owned(),
+            threshold: settings.cold_load,
+            metrics: self.metrics.clone(),
+            tail: Vec::new(),
+        });
         let upstream_request = Request::from_parts(parts, full(bytes));
         match self.upstream.send(upstream_request).await {
             Ok(response) => {
                 let failed = response.status().is_server_error();
                 let response =
-                    response.map(|body| RelayBody::new(body, permit, record, failed).boxed());
+                    response.map(|body| RelayBody::new(body, permit, record, failed, cold_load).boxed());
                 tag(response, &class, waited)
             }
             Err(err) => {

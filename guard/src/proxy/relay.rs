@@ -11,7 +11,31 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 
 use super::record::{Outcome, RequestRecord};
-use crate::queue::Permit;
+use crate::{metrics::Metrics, queue::Permit, watch::coldload};
+
+/// Watches an Ollama answer's end for a cold load of its model.
+pub struct ColdLoadProbe {
+    pub model: String,
+    pub threshold: std::time::Duration,
+    pub metrics: Metrics,
+    pub tail: Vec<u8>,
+}
+
+impl ColdLoadProbe {
+    fn finish(&self) {
+        if let Some(load) = coldload::load_duration(&self.tail) {
+            let model = self.model.as_str();
+            self.metrics
+                .model_last_load_seconds
+                .with_label_values(&[model])
+                .set(load.as_secs_f64());
+            if load > self.threshold {
+                self.metrics.model_cold_loads_total.with_label_values(&[model]).inc();
+                tracing::info!(model, load_ms = load.as_millis() as u64, "cold load: the model was loaded for this request");
+            }
+        }
+    }
+}
 
 pub struct RelayBody {
     upstream: Incoming,
@@ -19,6 +43,7 @@ pub struct RelayBody {
     record: Option<RequestRecord>,
     upstream_failed: bool,
     first_byte_seen: bool,
+    cold_load: Option<ColdLoadProbe>,
 }
 
 impl RelayBody {
@@ -28,6 +53,7 @@ impl RelayBody {
         permit: Permit,
         record: RequestRecord,
         upstream_failed: bool,
+        cold_load: Option<ColdLoadProbe>,
     ) -> Self {
         Self {
             upstream,
@@ -35,10 +61,14 @@ impl RelayBody {
             record: Some(record),
             upstream_failed,
             first_byte_seen: false,
+            cold_load,
         }
     }
 
     fn finish(&mut self, outcome: Outcome) {
+        if let (Outcome::Completed, Some(probe)) = (&outcome, self.cold_load.take()) {
+            probe.finish();
+        }
         if let Some(record) = self.record.take() {
             record.finish(outcome);
         }
@@ -84,6 +114,9 @@ impl HttpBody for RelayBody {
         let frame = ready!(Pin::new(&mut self.upstream).poll_frame(cx));
         match &frame {
             Some(Ok(frame)) => {
+                if let (Some(probe), Some(data)) = (self.cold_load.as_mut(), frame.data_ref()) {
+                    coldload::keep_tail(&mut probe.tail, data);
+                }
                 if !self.first_byte_seen && frame.data_ref().is_some_and(|d| !d.is_empty()) {
                     self.first_byte_seen = true;
                     if let Some(record) = &self.record {

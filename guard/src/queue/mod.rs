@@ -146,6 +146,16 @@ impl Scheduler {
                 max_queue: class.max_queue,
                 deadline: class.deadline_ms.map(Duration::from_millis),
             };
+            match limits.deadline {
+                Some(deadline) => self
+                    .metrics
+                    .class_deadline_seconds
+                    .with_label_values(&[name])
+                    .set(deadline.as_secs_f64()),
+                None => {
+                    let _ = self.metrics.class_deadline_seconds.remove_label_values(&[name]);
+                }
+            }
             match state.classes.get_mut(name.as_str()) {
                 Some(existing) => {
                     existing.limits = limits;

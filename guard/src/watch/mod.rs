@@ -1,0 +1,101 @@
+//! Watching what fails quietly: swap, memory pressure, the upstream process, GPUs (NVML), and
+//! the upstream's own state (partial CPU offload, cold loads, models served from elsewhere).
+//!
+//! Each watcher turns readings into metrics and into [`Signals`] the risk detector reads.
+
+pub mod coldload;
+pub mod gpu;
+pub mod host;
+pub mod upstream;
+
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use crate::{config::Config, metrics::Metrics, proxy::Upstream};
+
+/// The latest readings the risk detector needs; `None` where a source is absent.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Signals {
+    pub swap_in_pages_per_second: Option<f64>,
+    /// PSI memory "full" avg10, 0..1.
+    pub memory_pressure: Option<f64>,
+    /// The fullest GPU's share of memory used.
+    pub gpu_memory_fraction: Option<f64>,
+}
+
+/// What the watchers last saw, shared with the risk detector and /status.
+#[derive(Default)]
+pub struct Watched {
+    pub signals: Mutex<Signals>,
+    pub status: Mutex<serde_json::Map<String, serde_json::Value>>,
+    pub remote_models: upstream::RemoteModels,
+}
+
+impl Watched {
+    pub fn signals(&self) -> Signals {
+        self.signals
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set_status(&self, key: &str, value: serde_json::Value) {
+        self.status
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(key.to_owned(), value);
+    }
+
+    pub fn status(&self) -> serde_json::Value {
+        serde_json::Value::Object(
+            self.status
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone(),
+        )
+    }
+}
+
+/// Starts every watcher; they run until the runtime stops.
+pub fn spawn(config: &Config, metrics: &Metrics, upstream: Upstream) -> Arc<Watched> {
+    let watched = Arc::new(Watched::default());
+    let interval = Duration::from_millis(config.watch.interval_ms);
+    let mut host = host::HostWatcher::new(metrics, config);
+    let mut gpu = gpu::GpuWatcher::new(metrics);
+    let mut upstream = upstream::UpstreamWatcher::new(metrics, config, upstream);
+    let shared = Arc::clone(&watched);
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            ticks.tick().await;
+            // procfs and NVML reads are quick synchronous syscalls; run them off the reactor.
+            let (host_back, gpu_back, readings) = tokio::task::spawn_blocking(move || {
+                let host_reading = host.sample();
+                let gpu_reading = gpu.sample();
+                (host, gpu, (host_reading, gpu_reading))
+            })
+            .await
+            .unwrap_or_else(|err| std::panic::resume_unwind(err.into_panic()));
+            host = host_back;
+            gpu = gpu_back;
+            let (host_reading, gpu_reading) = readings;
+            {
+                let mut signals = shared
+                    .signals
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                signals.swap_in_pages_per_second = host_reading.swap_in_pages_per_second;
+                signals.memory_pressure = host_reading.memory_pressure;
+                signals.gpu_memory_fraction = gpu_reading.fullest_memory_fraction();
+            }
+            shared.set_status("host", serde_json::to_value(&host_reading).unwrap_or_default());
+            shared.set_status("gpu", gpu_reading.status());
+            let models = upstream.sample(&shared.remote_models).await;
+            shared.set_status("upstream", models);
+        }
+    });
+    watched
+}
