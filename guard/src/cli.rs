@@ -34,6 +34,17 @@ pub enum Command {
         #[arg(long, default_value = "http://127.0.0.1:9464")]
         url: String,
     },
+    /// Run CMD inside a class's cgroup (created where missing), as that class's workload.
+    Exec {
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// The class whose cgroup CMD runs in.
+        #[arg(long)]
+        class: String,
+        /// The command and its arguments.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
     /// Check what guard needs from this host; each line ok or missing, with the fix.
     Doctor {
         #[arg(long)]

@@ -22,6 +22,7 @@ use crate::{
     proxy::{self, Proxy, ProxyError, Upstream},
     queue::Scheduler,
     reap::{ConnEvent, EbpfError, EbpfTracker, reaper, registry::Registry},
+    throttle::{ThrottleSetupError, Throttler, risk},
     watch::{self as watchers, Watched},
 };
 
@@ -37,6 +38,8 @@ pub enum DaemonError {
     Proxy(#[from] ProxyError),
     #[error("cannot install a signal handler: {0}")]
     Signal(std::io::Error),
+    #[error(transparent)]
+    Throttle(#[from] ThrottleSetupError),
 }
 
 /// The kernel half's state, as /status and /metrics report it.
@@ -54,6 +57,8 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
         metrics.init_class(class);
     }
 
+    // Before anything serves: checks each class cgroup and restores what a crash left.
+    let throttler = Arc::new(Mutex::new(Throttler::new(&config, &metrics)?));
     let proxy_listener = bind("server.listen", config.server.listen).await?;
     let metrics_listener = bind("metrics.listen", config.metrics.listen).await?;
     let listen_port = proxy_listener
@@ -96,6 +101,13 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
         started,
     );
     let metrics_task = tokio::spawn(metrics::serve(metrics_listener, metrics.clone(), status));
+    let risk_task = tokio::spawn(risk::run(
+        config.clone(),
+        Arc::clone(&scheduler),
+        Arc::clone(&watched),
+        metrics.clone(),
+        Arc::clone(&throttler),
+    ));
     let (stop, stopped) = watch::channel(false);
     let grace = Duration::from_millis(config.server.drain_grace_ms);
     let proxy_task = tokio::spawn(proxy::serve(
@@ -132,6 +144,11 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
         tracing::error!(%err, "proxy task failed");
     }
     metrics_task.abort();
+    risk_task.abort();
+    throttler
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .restore();
     // Dropping the tracker detaches the program and closes its maps.
     ebpf.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)

@@ -39,8 +39,15 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 Ok(loaded) => loaded,
                 Err(err) => return Ok(bad_config(&err)),
             };
-            runtime()?.block_on(daemon::run(config, path))?;
-            Ok(ExitCode::SUCCESS)
+            match runtime()?.block_on(daemon::run(config, path)) {
+                Ok(()) => Ok(ExitCode::SUCCESS),
+                // A class cgroup that cannot be used is a configuration error.
+                Err(daemon::DaemonError::Throttle(err)) => {
+                    eprintln!("guard: bad config: {err}");
+                    Ok(ExitCode::from(EXIT_BAD_CONFIG))
+                }
+                Err(err) => Err(err.into()),
+            }
         }
         Command::CheckConfig { config } => match load(config) {
             Ok((config, path)) => {
@@ -59,6 +66,19 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             let table = runtime()?.block_on(status::show(&url))?;
             print!("{table}");
             Ok(ExitCode::SUCCESS)
+        }
+        Command::Exec {
+            config,
+            class,
+            command,
+        } => {
+            let config = match load(config) {
+                Ok((config, _)) => config,
+                Err(err) => return Ok(bad_config(&err)),
+            };
+            let err = guard::exec::exec(&config, &class, &command);
+            eprintln!("guard exec: {err}");
+            Ok(ExitCode::from(EXIT_BAD_CONFIG))
         }
         Command::Doctor { config } => {
             let config = match load(config) {

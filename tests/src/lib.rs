@@ -88,6 +88,10 @@ impl TestCgroup {
 
 impl Drop for TestCgroup {
     fn drop(&mut self) {
+        // Never leave a test's cgroup held back, whatever the test did.
+        let _ = std::fs::write(self.path.join("cgroup.freeze"), "0");
+        let _ = std::fs::write(self.path.join("freezer.state"), "THAWED");
+        let _ = std::fs::write(self.path.join("cpu.cfs_quota_us"), "-1");
         let parent = self.path.parent().map(|p| p.join("cgroup.procs"));
         if let (Ok(procs), Some(parent)) = (
             std::fs::read_to_string(self.path.join("cgroup.procs")),

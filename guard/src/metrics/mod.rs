@@ -45,6 +45,59 @@ pub struct Metrics {
     pub model_last_load_seconds: prometheus::GaugeVec,
     pub class_deadline_seconds: prometheus::GaugeVec,
     pub remote_refused_total: IntCounterVec,
+    pub class_throttled: IntGaugeVec,
+    pub at_risk: IntGaugeVec,
+    /// Recent TTFT samples per class, for the risk detector's p95.
+    pub ttft_window: std::sync::Arc<TtftWindow>,
+}
+
+/// Recent time-to-first-token samples per class.
+#[derive(Default)]
+pub struct TtftWindow(
+    std::sync::Mutex<
+        std::collections::HashMap<
+            String,
+            std::collections::VecDeque<(std::time::Instant, std::time::Duration)>,
+        >,
+    >,
+);
+
+impl TtftWindow {
+    pub fn record(&self, class: &str, ttft: std::time::Duration) {
+        let mut classes = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let samples = classes.entry(class.to_owned()).or_default();
+        samples.push_back((std::time::Instant::now(), ttft));
+        // Bounded: the risk detector needs a p95, not every sample of a busy minute.
+        if samples.len() > 1_000 {
+            samples.pop_front();
+        }
+    }
+
+    /// The p95 and sample count of `class`'s TTFTs within `window`.
+    pub fn p95(
+        &self,
+        class: &str,
+        window: std::time::Duration,
+    ) -> Option<(std::time::Duration, usize)> {
+        let mut classes = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let samples = classes.get_mut(class)?;
+        while samples.front().is_some_and(|(at, _)| at.elapsed() > window) {
+            samples.pop_front();
+        }
+        let mut recent: Vec<_> = samples.iter().map(|(_, t)| *t).collect();
+        if recent.is_empty() {
+            return None;
+        }
+        recent.sort();
+        let index = ((recent.len() - 1) as f64 * 0.95).round() as usize;
+        Some((recent[index], recent.len()))
+    }
 }
 
 impl Metrics {
@@ -142,12 +195,18 @@ impl Metrics {
                 &["model"],
             ),
             model_last_load_seconds: prometheus::GaugeVec::new(
-                Opts::new("guard_model_last_load_seconds", "The last load_duration Ollama reported for a model."),
+                Opts::new(
+                    "guard_model_last_load_seconds",
+                    "The last load_duration Ollama reported for a model.",
+                ),
                 &["model"],
             )
             .expect("valid gauge"),
             class_deadline_seconds: prometheus::GaugeVec::new(
-                Opts::new("guard_class_deadline_seconds", "A class's configured time-to-first-token deadline."),
+                Opts::new(
+                    "guard_class_deadline_seconds",
+                    "A class's configured time-to-first-token deadline.",
+                ),
                 &["class"],
             )
             .expect("valid gauge"),
@@ -156,6 +215,17 @@ impl Metrics {
                 "Requests refused (403) because their model is served from elsewhere (upstream.refuse_remote_models).",
                 &["model"],
             ),
+            class_throttled: gauge_vec(
+                "guard_class_throttled",
+                "1 while guard holds this class's cgroup back (frozen or CPU-limited).",
+                &["class"],
+            ),
+            at_risk: gauge_vec(
+                "guard_at_risk",
+                "1 while this signal says protected deadlines are at risk (wait, ttft, swap, memory_pressure, gpu_memory).",
+                &["reason"],
+            ),
+            ttft_window: std::sync::Arc::default(),
             registry,
         };
         metrics.register_all();
@@ -185,7 +255,12 @@ impl Metrics {
             Box::new(self.model_last_load_seconds.clone()),
             Box::new(self.class_deadline_seconds.clone()),
             Box::new(self.remote_refused_total.clone()),
+            Box::new(self.class_throttled.clone()),
+            Box::new(self.at_risk.clone()),
         ];
+        for reason in crate::throttle::risk::REASONS {
+            self.at_risk.with_label_values(&[reason]).set(0);
+        }
         for collector in collectors {
             self.registry
                 .register(collector)

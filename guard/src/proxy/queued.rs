@@ -66,8 +66,14 @@ impl Proxy {
             && settings.refuse_remote_models
             && self.remote_models.remote_models.is_remote(model)
         {
-            self.metrics.remote_refused_total.with_label_values(&[model]).inc();
-            return ProxyError::RemoteModel { model: model.to_owned() }.into_response(shape);
+            self.metrics
+                .remote_refused_total
+                .with_label_values(&[model])
+                .inc();
+            return ProxyError::RemoteModel {
+                model: model.to_owned(),
+            }
+            .into_response(shape);
         }
 
         let decision = {
@@ -146,8 +152,8 @@ impl Proxy {
         match self.upstream.send(upstream_request).await {
             Ok(response) => {
                 let failed = response.status().is_server_error();
-                let response =
-                    response.map(|body| RelayBody::new(body, permit, record, failed, cold_load).boxed());
+                let response = response
+                    .map(|body| RelayBody::new(body, permit, record, failed, cold_load).boxed());
                 tag(response, &class, waited)
             }
             Err(err) => {

@@ -67,10 +67,12 @@ impl RequestRecord {
 
     /// The first response byte goes to the client now.
     pub fn first_byte(&self) {
+        let ttft = self.arrived.elapsed();
         self.metrics
             .ttft_seconds
             .with_label_values(&[&self.class])
-            .observe(self.arrived.elapsed().as_secs_f64());
+            .observe(ttft.as_secs_f64());
+        self.metrics.ttft_window.record(&self.class, ttft);
     }
 
     pub fn finish(mut self, outcome: Outcome) {

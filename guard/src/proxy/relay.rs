@@ -30,8 +30,15 @@ impl ColdLoadProbe {
                 .with_label_values(&[model])
                 .set(load.as_secs_f64());
             if load > self.threshold {
-                self.metrics.model_cold_loads_total.with_label_values(&[model]).inc();
-                tracing::info!(model, load_ms = load.as_millis() as u64, "cold load: the model was loaded for this request");
+                self.metrics
+                    .model_cold_loads_total
+                    .with_label_values(&[model])
+                    .inc();
+                tracing::info!(
+                    model,
+                    load_ms = load.as_millis() as u64,
+                    "cold load: the model was loaded for this request"
+                );
             }
         }
     }

@@ -153,7 +153,10 @@ impl Scheduler {
                     .with_label_values(&[name])
                     .set(deadline.as_secs_f64()),
                 None => {
-                    let _ = self.metrics.class_deadline_seconds.remove_label_values(&[name]);
+                    let _ = self
+                        .metrics
+                        .class_deadline_seconds
+                        .remove_label_values(&[name]);
                 }
             }
             match state.classes.get_mut(name.as_str()) {

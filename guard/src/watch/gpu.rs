@@ -72,15 +72,22 @@ impl GpuMetrics {
             metrics.register(Box::new(g.clone()));
             g
         };
-        let available = IntGauge::new("guard_gpu_available", "1 where NVML reads at least one NVIDIA GPU.")
-            .expect("valid gauge");
+        let available = IntGauge::new(
+            "guard_gpu_available",
+            "1 where NVML reads at least one NVIDIA GPU.",
+        )
+        .expect("valid gauge");
         metrics.register(Box::new(available.clone()));
         let gpu = &["gpu"];
         Self {
             available,
             memory_used: vec("guard_gpu_memory_used_bytes", "GPU memory in use.", gpu),
             memory_total: vec("guard_gpu_memory_total_bytes", "GPU memory in all.", gpu),
-            utilization: vec("guard_gpu_utilization_ratio", "Share of time the GPU was busy.", gpu),
+            utilization: vec(
+                "guard_gpu_utilization_ratio",
+                "Share of time the GPU was busy.",
+                gpu,
+            ),
             power: vec("guard_gpu_power_watts", "GPU power draw.", gpu),
             energy: vec(
                 "guard_gpu_energy_joules",
@@ -88,7 +95,11 @@ impl GpuMetrics {
                 gpu,
             ),
             temperature: vec("guard_gpu_temperature_celsius", "GPU temperature.", gpu),
-            throttled: vec("guard_gpu_throttled", "1 while NVML reports this clock throttle reason.", &["gpu", "reason"]),
+            throttled: vec(
+                "guard_gpu_throttled",
+                "1 while NVML reports this clock throttle reason.",
+                &["gpu", "reason"],
+            ),
             process_memory: vec(
                 "guard_gpu_process_memory_bytes",
                 "GPU memory held by a process (the inference server among them).",
@@ -105,8 +116,12 @@ impl GpuMetrics {
         for gpu in &reading.gpus {
             let label = gpu.index.to_string();
             let l = &[label.as_str()];
-            self.memory_used.with_label_values(l).set(gpu.memory_used_bytes as f64);
-            self.memory_total.with_label_values(l).set(gpu.memory_total_bytes as f64);
+            self.memory_used
+                .with_label_values(l)
+                .set(gpu.memory_used_bytes as f64);
+            self.memory_total
+                .with_label_values(l)
+                .set(gpu.memory_total_bytes as f64);
             let optional = [
                 (&self.utilization, gpu.utilization_ratio),
                 (&self.power, gpu.power_watts),
@@ -119,7 +134,9 @@ impl GpuMetrics {
                 }
             }
             for reason in &gpu.throttle_reasons {
-                self.throttled.with_label_values(&[label.as_str(), reason]).set(1.0);
+                self.throttled
+                    .with_label_values(&[label.as_str(), reason])
+                    .set(1.0);
             }
             for (pid, bytes) in &gpu.processes {
                 self.process_memory
@@ -143,26 +160,44 @@ impl GpuWatcher {
         match Nvml::init() {
             Ok(nvml) => {
                 tracing::info!("NVML loaded: GPU metrics on");
-                Self { nvml: Some(nvml), unavailable: None, metrics }
+                Self {
+                    nvml: Some(nvml),
+                    unavailable: None,
+                    metrics,
+                }
             }
             Err(err) => {
                 let reason = format!("no NVIDIA driver (NVML: {err}); GPU metrics off");
                 tracing::info!("{reason}");
                 metrics.available.set(0);
-                Self { nvml: None, unavailable: Some(reason), metrics }
+                Self {
+                    nvml: None,
+                    unavailable: Some(reason),
+                    metrics,
+                }
             }
         }
     }
 
     pub fn sample(&mut self) -> GpusReading {
         let Some(nvml) = &self.nvml else {
-            return GpusReading { gpus: Vec::new(), unavailable: self.unavailable.clone() };
+            return GpusReading {
+                gpus: Vec::new(),
+                unavailable: self.unavailable.clone(),
+            };
         };
         let count = nvml.device_count().unwrap_or(0);
         let gpus: Vec<GpuReading> = (0..count)
-            .filter_map(|index| nvml.device_by_index(index).ok().map(|device| read(index, &device)))
+            .filter_map(|index| {
+                nvml.device_by_index(index)
+                    .ok()
+                    .map(|device| read(index, &device))
+            })
             .collect();
-        let reading = GpusReading { gpus, unavailable: None };
+        let reading = GpusReading {
+            gpus,
+            unavailable: None,
+        };
         self.metrics.apply(&reading);
         reading
     }
@@ -175,13 +210,27 @@ fn read(index: u32, device: &nvml_wrapper::Device<'_>) -> GpuReading {
         name: device.name().unwrap_or_default(),
         memory_used_bytes: memory.as_ref().map_or(0, |m| m.used),
         memory_total_bytes: memory.as_ref().map_or(0, |m| m.total),
-        utilization_ratio: device.utilization_rates().ok().map(|u| f64::from(u.gpu) / 100.0),
+        utilization_ratio: device
+            .utilization_rates()
+            .ok()
+            .map(|u| f64::from(u.gpu) / 100.0),
         power_watts: device.power_usage().ok().map(|mw| f64::from(mw) / 1000.0),
-        energy_joules: device.total_energy_consumption().ok().map(|mj| mj as f64 / 1000.0),
-        temperature_celsius: device.temperature(TemperatureSensor::Gpu).ok().map(f64::from),
+        energy_joules: device
+            .total_energy_consumption()
+            .ok()
+            .map(|mj| mj as f64 / 1000.0),
+        temperature_celsius: device
+            .temperature(TemperatureSensor::Gpu)
+            .ok()
+            .map(f64::from),
         throttle_reasons: device
             .current_throttle_reasons()
-            .map(|reasons| reasons.iter_names().map(|(name, _)| name.to_ascii_lowercase()).collect())
+            .map(|reasons| {
+                reasons
+                    .iter_names()
+                    .map(|(name, _)| name.to_ascii_lowercase())
+                    .collect()
+            })
             .unwrap_or_default(),
         processes: device
             .running_compute_processes()
@@ -216,7 +265,10 @@ mod tests {
     fn readings_become_metrics_without_a_gpu() {
         let metrics = Metrics::new();
         let gpu_metrics = GpuMetrics::new(&metrics);
-        let reading = GpusReading { gpus: vec![gpu(0, 30, 100), gpu(1, 90, 100)], unavailable: None };
+        let reading = GpusReading {
+            gpus: vec![gpu(0, 30, 100), gpu(1, 90, 100)],
+            unavailable: None,
+        };
         gpu_metrics.apply(&reading);
         let text = metrics.render();
         assert!(text.contains("guard_gpu_available 1"));
@@ -231,7 +283,10 @@ mod tests {
     fn no_gpu_is_zero_and_no_risk_signal() {
         let metrics = Metrics::new();
         let gpu_metrics = GpuMetrics::new(&metrics);
-        let reading = GpusReading { gpus: vec![], unavailable: Some("no driver".to_owned()) };
+        let reading = GpusReading {
+            gpus: vec![],
+            unavailable: Some("no driver".to_owned()),
+        };
         gpu_metrics.apply(&reading);
         assert!(metrics.render().contains("guard_gpu_available 0"));
         assert_eq!(reading.fullest_memory_fraction(), None);

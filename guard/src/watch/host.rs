@@ -66,8 +66,14 @@ impl HostWatcher {
         Self {
             swap_used: int_gauge("guard_swap_used_bytes", "Swap in use."),
             swap_total: int_gauge("guard_swap_total_bytes", "Swap configured."),
-            swap_in: gauge("guard_swap_in_pages_per_second", "Pages swapped in per second (vmstat pswpin)."),
-            swap_out: gauge("guard_swap_out_pages_per_second", "Pages swapped out per second (vmstat pswpout)."),
+            swap_in: gauge(
+                "guard_swap_in_pages_per_second",
+                "Pages swapped in per second (vmstat pswpin).",
+            ),
+            swap_out: gauge(
+                "guard_swap_out_pages_per_second",
+                "Pages swapped out per second (vmstat pswpout).",
+            ),
             pressure_waiting: gauge_vec(
                 "guard_pressure_waiting_ratio",
                 "PSI some avg10: share of time some tasks waited for the resource.",
@@ -76,12 +82,22 @@ impl HostWatcher {
                 "guard_pressure_stalled_ratio",
                 "PSI full avg10: share of time all non-idle tasks stalled on the resource.",
             ),
-            psi_available: int_gauge("guard_psi_available", "1 where the kernel offers PSI (/proc/pressure)."),
-            upstream_rss: int_gauge("guard_upstream_rss_bytes", "Resident memory of the inference server process."),
-            upstream_threads: int_gauge("guard_upstream_threads", "Threads of the inference server process."),
+            psi_available: int_gauge(
+                "guard_psi_available",
+                "1 where the kernel offers PSI (/proc/pressure).",
+            ),
+            upstream_rss: int_gauge(
+                "guard_upstream_rss_bytes",
+                "Resident memory of the inference server process.",
+            ),
+            upstream_threads: int_gauge(
+                "guard_upstream_threads",
+                "Threads of the inference server process.",
+            ),
             upstream_cpu,
             last_vmstat: None,
-            configured_pid: (config.watch.upstream_pid != 0).then_some(config.watch.upstream_pid as i32),
+            configured_pid: (config.watch.upstream_pid != 0)
+                .then_some(config.watch.upstream_pid as i32),
             upstream_port: crate::config::upstream_authority(&config.upstream.url)
                 .ok()
                 .and_then(|a| a.port_u16()),
@@ -130,7 +146,9 @@ impl HostWatcher {
         if !reading.psi_available {
             if !self.psi_warned {
                 self.psi_warned = true;
-                tracing::warn!("PSI is off: no /proc/pressure; boot with psi=1 for memory-pressure signals");
+                tracing::warn!(
+                    "PSI is off: no /proc/pressure; boot with psi=1 for memory-pressure signals"
+                );
             }
             return;
         }
@@ -232,7 +250,10 @@ mod tests {
         assert!(first.swap_total_bytes.is_some());
         assert_eq!(first.upstream_pid, Some(std::process::id() as i32));
         assert!(first.upstream_rss_bytes.is_some_and(|rss| rss > 0));
-        assert!(first.swap_in_pages_per_second.is_none(), "a rate needs two samples");
+        assert!(
+            first.swap_in_pages_per_second.is_none(),
+            "a rate needs two samples"
+        );
         assert!(watcher.sample().swap_in_pages_per_second.is_some());
     }
 }

@@ -91,7 +91,10 @@ pub fn spawn(config: &Config, metrics: &Metrics, upstream: Upstream) -> Arc<Watc
                 signals.memory_pressure = host_reading.memory_pressure;
                 signals.gpu_memory_fraction = gpu_reading.fullest_memory_fraction();
             }
-            shared.set_status("host", serde_json::to_value(&host_reading).unwrap_or_default());
+            shared.set_status(
+                "host",
+                serde_json::to_value(&host_reading).unwrap_or_default(),
+            );
             shared.set_status("gpu", gpu_reading.status());
             let models = upstream.sample(&shared.remote_models).await;
             shared.set_status("upstream", models);

@@ -2,10 +2,7 @@
 //! memory) and which models are served from elsewhere (`/api/show`: remote_host), and
 //! llama-server's busy and deferred requests (`/metrics`).
 
-use std::{
-    collections::HashMap,
-    sync::RwLock,
-};
+use std::{collections::HashMap, sync::RwLock};
 
 use bytes::Bytes;
 use http::{Method, Request};
@@ -68,7 +65,10 @@ pub fn parse_ps(body: &serde_json::Value) -> Vec<LoadedModel> {
         .into_iter()
         .flatten()
         .filter_map(|m| {
-            let name = m["name"].as_str().or_else(|| m["model"].as_str())?.to_owned();
+            let name = m["name"]
+                .as_str()
+                .or_else(|| m["model"].as_str())?
+                .to_owned();
             let size = m["size"].as_u64().unwrap_or(0);
             let vram = m["size_vram"].as_u64().unwrap_or(0);
             let cpu_offload_ratio = if size == 0 {
@@ -112,7 +112,10 @@ impl UpstreamWatcher {
         Self {
             upstream,
             api: config.upstream.api,
-            up: gauge("guard_upstream_up", "1 while the upstream answers its status endpoint."),
+            up: gauge(
+                "guard_upstream_up",
+                "1 while the upstream answers its status endpoint.",
+            ),
             offload: gauge_vec(
                 "guard_model_cpu_offload_ratio",
                 "Share of a loaded model not in GPU memory (Ollama /api/ps: 1 - size_vram/size).",
@@ -121,8 +124,14 @@ impl UpstreamWatcher {
                 "guard_model_remote",
                 "1 for a model served from elsewhere (Ollama remote or cloud model): the privacy boundary moves.",
             ),
-            busy: gauge("guard_upstream_busy_requests", "Requests the upstream itself says it is processing (llama-server)."),
-            deferred: gauge("guard_upstream_deferred_requests", "Requests waiting in the upstream's own queue (llama-server)."),
+            busy: gauge(
+                "guard_upstream_busy_requests",
+                "Requests the upstream itself says it is processing (llama-server).",
+            ),
+            deferred: gauge(
+                "guard_upstream_deferred_requests",
+                "Requests waiting in the upstream's own queue (llama-server).",
+            ),
         }
     }
 
@@ -143,22 +152,38 @@ impl UpstreamWatcher {
         let loaded = parse_ps(&ps);
         self.offload.reset();
         for model in &loaded {
-            self.offload.with_label_values(&[&model.name]).set(model.cpu_offload_ratio);
+            self.offload
+                .with_label_values(&[&model.name])
+                .set(model.cpu_offload_ratio);
         }
         if let Some(tags) = self.json(Method::GET, "/api/tags", None).await {
-            for name in tags["models"].as_array().into_iter().flatten().filter_map(|m| m["name"].as_str()) {
+            for name in tags["models"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m["name"].as_str())
+            {
                 if remote_models.known(name) {
                     continue;
                 }
                 let show = self
-                    .json(Method::POST, "/api/show", Some(serde_json::json!({ "model": name })))
+                    .json(
+                        Method::POST,
+                        "/api/show",
+                        Some(serde_json::json!({ "model": name })),
+                    )
                     .await;
                 if let Some(show) = show {
                     let remote = show.get("remote_host").is_some_and(|h| !h.is_null());
                     remote_models.set(name, remote || remote_models.is_remote(name));
                 }
             }
-            for name in tags["models"].as_array().into_iter().flatten().filter_map(|m| m["name"].as_str()) {
+            for name in tags["models"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m["name"].as_str())
+            {
                 self.remote
                     .with_label_values(&[name])
                     .set(f64::from(u8::from(remote_models.is_remote(name))));
@@ -187,13 +212,27 @@ impl UpstreamWatcher {
         serde_json::json!({ "up": true, "busy": busy, "deferred": deferred })
     }
 
-    async fn json(&self, method: Method, path: &str, body: Option<serde_json::Value>) -> Option<serde_json::Value> {
+    async fn json(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Option<serde_json::Value> {
         serde_json::from_str(&self.text(method, path, body).await?).ok()
     }
 
-    async fn text(&self, method: Method, path: &str, body: Option<serde_json::Value>) -> Option<String> {
+    async fn text(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> Option<String> {
         let body = body.map_or(Bytes::new(), |b| Bytes::from(b.to_string()));
-        let request = Request::builder().method(method).uri(path).body(full(body)).ok()?;
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .body(full(body))
+            .ok()?;
         let response = self.upstream.send(request).await.ok()?;
         if !response.status().is_success() {
             return None;
@@ -217,7 +256,10 @@ mod tests {
         let loaded = parse_ps(&ps);
         let ratios: Vec<f64> = loaded.iter().map(|m| m.cpu_offload_ratio).collect();
         assert_eq!(ratios, vec![0.0, 0.52, 1.0]);
-        assert_eq!(loaded[0].expires_at.as_deref(), Some("2026-12-02T10:00:00Z"));
+        assert_eq!(
+            loaded[0].expires_at.as_deref(),
+            Some("2026-12-02T10:00:00Z")
+        );
     }
 
     #[test]

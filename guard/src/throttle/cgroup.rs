@@ -1,0 +1,187 @@
+//! One class's cgroup and how to hold it back: cgroup v2 (`cgroup.freeze`, `cpu.max`) or v1
+//! (`freezer.state`, `cpu.cfs_quota_us`), chosen by the filesystem the path lives on.
+
+use std::path::{Path, PathBuf};
+
+use crate::config::Throttle;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error("{}: not inside a cgroup filesystem (cgroup2, or a v1 hierarchy)", path.display())]
+    NotCgroup { path: PathBuf },
+    #[error(
+        "{}: throttle \"{mode}\" needs {needs}, which this cgroup lacks{hint}",
+        path.display()
+    )]
+    MissingController {
+        path: PathBuf,
+        mode: String,
+        needs: &'static str,
+        hint: &'static str,
+    },
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The cgroup filesystems of this host: where each is mounted, and which kind.
+#[derive(Clone, Debug)]
+pub struct Mount {
+    pub root: PathBuf,
+    /// None for cgroup2; the v1 controllers for a v1 hierarchy.
+    pub v1_controllers: Option<Vec<String>>,
+}
+
+/// Reads /proc/self/mounts for cgroup and cgroup2 mounts.
+pub fn mounts() -> Vec<Mount> {
+    let text = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    text.lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(' ').collect();
+            let (root, kind, options) = (fields.get(1)?, fields.get(2)?, fields.get(3)?);
+            match *kind {
+                "cgroup2" => Some(Mount {
+                    root: PathBuf::from(root),
+                    v1_controllers: None,
+                }),
+                "cgroup" => Some(Mount {
+                    root: PathBuf::from(root),
+                    v1_controllers: Some(options.split(',').map(str::to_owned).collect()),
+                }),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// A control file and the values that mean "held back" and (until read) "normal".
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Control {
+    pub file: PathBuf,
+    pub throttled: String,
+}
+
+/// A class's cgroup, resolved and checked.
+#[derive(Clone, Debug)]
+pub struct Cgroup {
+    pub path: PathBuf,
+    /// The file that holds processes (`cgroup.procs`).
+    pub procs: PathBuf,
+    pub control: Control,
+}
+
+impl Cgroup {
+    /// Resolves `path` against the host's cgroup mounts and checks that `mode` can be applied
+    /// there. Creates the cgroup directory where it is missing.
+    pub fn resolve(path: &Path, mode: Throttle) -> Result<Self, CgroupError> {
+        let mount = mounts()
+            .into_iter()
+            .filter(|m| path.starts_with(&m.root) && path != m.root)
+            .max_by_key(|m| m.root.components().count())
+            .ok_or_else(|| CgroupError::NotCgroup {
+                path: path.to_owned(),
+            })?;
+        let missing = |needs, hint| CgroupError::MissingController {
+            path: path.to_owned(),
+            mode: mode.to_string(),
+            needs,
+            hint,
+        };
+        let control = match (&mount.v1_controllers, mode) {
+            (None, Throttle::Freeze) => Control {
+                file: path.join("cgroup.freeze"),
+                throttled: "1".to_owned(),
+            },
+            (None, Throttle::Cpu(percent)) => {
+                let parent = path.parent().unwrap_or(&mount.root);
+                let enabled = std::fs::read_to_string(parent.join("cgroup.subtree_control"))
+                    .unwrap_or_default();
+                if !enabled.split_whitespace().any(|c| c == "cpu") {
+                    return Err(missing(
+                        "the cgroup v2 cpu controller (cpu.max)",
+                        ": enable it with `echo +cpu > PARENT/cgroup.subtree_control`, or use a v1 cpu hierarchy such as /sys/fs/cgroup/cpu/...",
+                    ));
+                }
+                Control {
+                    file: path.join("cpu.max"),
+                    throttled: format!("{} 100000", percent * 1000),
+                }
+            }
+            (Some(controllers), Throttle::Freeze) => {
+                if !controllers.iter().any(|c| c == "freezer") {
+                    return Err(missing(
+                        "the v1 freezer controller",
+                        ": put the cgroup under the freezer hierarchy (e.g. /sys/fs/cgroup/freezer/...)",
+                    ));
+                }
+                Control {
+                    file: path.join("freezer.state"),
+                    throttled: "FROZEN".to_owned(),
+                }
+            }
+            (Some(controllers), Throttle::Cpu(percent)) => {
+                if !controllers.iter().any(|c| c == "cpu") {
+                    return Err(missing(
+                        "the v1 cpu controller",
+                        ": put the cgroup under the cpu hierarchy (e.g. /sys/fs/cgroup/cpu/...)",
+                    ));
+                }
+                // The period is 100 ms; N % of one CPU is N ms of it.
+                Control {
+                    file: path.join("cpu.cfs_quota_us"),
+                    throttled: (percent * 1000).to_string(),
+                }
+            }
+        };
+        std::fs::create_dir_all(path).map_err(|source| CgroupError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        if !control.file.exists() {
+            return Err(missing(
+                "its control file",
+                ": the kernel does not offer it here",
+            ));
+        }
+        // Writing needs permission: check now rather than at the first risk.
+        nix::unistd::access(&control.file, nix::unistd::AccessFlags::W_OK).map_err(|err| {
+            CgroupError::Io {
+                path: control.file.clone(),
+                source: std::io::Error::from(err),
+            }
+        })?;
+        Ok(Self {
+            procs: path.join("cgroup.procs"),
+            path: path.to_owned(),
+            control,
+        })
+    }
+
+    pub fn read(&self) -> Result<String, CgroupError> {
+        std::fs::read_to_string(&self.control.file)
+            .map(|v| v.trim().to_owned())
+            .map_err(|source| CgroupError::Io {
+                path: self.control.file.clone(),
+                source,
+            })
+    }
+
+    pub fn write(&self, value: &str) -> Result<(), CgroupError> {
+        write(&self.control.file, value)
+    }
+
+    /// Moves a process into this cgroup.
+    pub fn add(&self, pid: u32) -> Result<(), CgroupError> {
+        write(&self.procs, &pid.to_string())
+    }
+}
+
+/// Writes a cgroup control file.
+pub fn write(file: &Path, value: &str) -> Result<(), CgroupError> {
+    std::fs::write(file, value).map_err(|source| CgroupError::Io {
+        path: file.to_owned(),
+        source,
+    })
+}

@@ -1,0 +1,300 @@
+//! The risk detector of DESIGN section 8: are protected classes' deadlines at risk? Each
+//! signal has a threshold; a signal that is on stays on until it falls below 80 % of its
+//! threshold (hysteresis), and guard lifts its holds only after every signal has been clear
+//! for `risk.hold_ms`.
+
+use std::{
+    collections::BTreeSet,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use tokio::time::Instant;
+
+use super::Throttler;
+use crate::{config::Config, metrics::Metrics, queue::Scheduler, watch::Watched};
+
+/// A signal may clear only below this share of its threshold.
+const CLEAR_BAND: f64 = 0.8;
+/// How often the detector looks.
+const TICK: Duration = Duration::from_millis(250);
+/// The window of TTFT samples the p95 is taken over.
+pub const TTFT_WINDOW: Duration = Duration::from_secs(60);
+
+pub const REASONS: &[&str] = &["wait", "ttft", "swap", "memory_pressure", "gpu_memory"];
+
+/// What the detector reads in one look.
+#[derive(Clone, Debug, Default)]
+pub struct Inputs {
+    /// Oldest waiter's wait as a share of its deadline, per protected class.
+    pub wait_fractions: Vec<f64>,
+    /// (recent TTFT p95, samples, deadline) per protected class.
+    pub ttft: Vec<(Duration, usize, Duration)>,
+    pub swap_in: Option<f64>,
+    pub memory_pressure: Option<f64>,
+    pub gpu_memory: Option<f64>,
+}
+
+/// The signals that are on, given the last look's (for hysteresis).
+pub fn evaluate(
+    inputs: &Inputs,
+    config: &crate::config::RiskConfig,
+    before: &BTreeSet<&'static str>,
+) -> BTreeSet<&'static str> {
+    let over = |reason: &'static str, value: f64, threshold: f64| {
+        let limit = if before.contains(reason) {
+            threshold * CLEAR_BAND
+        } else {
+            threshold
+        };
+        value > limit
+    };
+    let mut on = BTreeSet::new();
+    if inputs
+        .wait_fractions
+        .iter()
+        .any(|f| over("wait", *f, config.wait_fraction))
+    {
+        on.insert("wait");
+    }
+    let ttft_over = inputs.ttft.iter().any(|(p95, samples, deadline)| {
+        *samples >= config.ttft_min_samples
+            && over("ttft", p95.as_secs_f64(), deadline.as_secs_f64())
+    });
+    if ttft_over {
+        on.insert("ttft");
+    }
+    for (reason, value, threshold) in [
+        ("swap", inputs.swap_in, config.swap_in_pages_per_second),
+        (
+            "memory_pressure",
+            inputs.memory_pressure,
+            config.memory_pressure,
+        ),
+        ("gpu_memory", inputs.gpu_memory, config.gpu_memory),
+    ] {
+        if value.is_some_and(|v| over(reason, v, threshold)) {
+            on.insert(reason);
+        }
+    }
+    on
+}
+
+/// At risk or not, with the hold time.
+#[derive(Debug, Default)]
+pub struct State {
+    pub at_risk: bool,
+    pub signals: BTreeSet<&'static str>,
+    clear_since: Option<Instant>,
+}
+
+/// A change of state to act on.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Change {
+    Enter,
+    Exit,
+}
+
+impl State {
+    pub fn step(
+        &mut self,
+        now: Instant,
+        signals: BTreeSet<&'static str>,
+        hold: Duration,
+    ) -> Option<Change> {
+        self.signals = signals;
+        if !self.signals.is_empty() {
+            self.clear_since = None;
+            if !self.at_risk {
+                self.at_risk = true;
+                return Some(Change::Enter);
+            }
+            return None;
+        }
+        if !self.at_risk {
+            return None;
+        }
+        let since = *self.clear_since.get_or_insert(now);
+        if now.duration_since(since) >= hold {
+            self.at_risk = false;
+            self.clear_since = None;
+            return Some(Change::Exit);
+        }
+        None
+    }
+}
+
+/// Runs the detector until the task is dropped.
+pub async fn run(
+    config: Config,
+    scheduler: Arc<Scheduler>,
+    watched: Arc<Watched>,
+    metrics: Metrics,
+    throttler: Arc<Mutex<Throttler>>,
+) {
+    let mut state = State::default();
+    let hold = Duration::from_millis(config.risk.hold_ms);
+    let protected: Vec<(String, Duration)> = config
+        .class
+        .iter()
+        .filter(|(_, c)| c.priority <= config.risk.protect_priority)
+        .filter_map(|(name, c)| Some((name.clone(), Duration::from_millis(c.deadline_ms?))))
+        .collect();
+    let mut ticks = tokio::time::interval(TICK);
+    loop {
+        ticks.tick().await;
+        let signals = watched.signals();
+        let waits = scheduler.wait_fractions();
+        let inputs = Inputs {
+            wait_fractions: waits
+                .iter()
+                .filter(|(class, _)| protected.iter().any(|(p, _)| p == class))
+                .map(|(_, f)| *f)
+                .collect(),
+            ttft: protected
+                .iter()
+                .filter_map(|(class, deadline)| {
+                    let (p95, samples) = metrics.ttft_window.p95(class, TTFT_WINDOW)?;
+                    Some((p95, samples, *deadline))
+                })
+                .collect(),
+            swap_in: signals.swap_in_pages_per_second,
+            memory_pressure: signals.memory_pressure,
+            gpu_memory: signals.gpu_memory_fraction,
+        };
+        let on = evaluate(&inputs, &config.risk, &state.signals);
+        for reason in REASONS {
+            metrics
+                .at_risk
+                .with_label_values(&[reason])
+                .set(i64::from(on.contains(reason)));
+        }
+        let reasons = on.iter().copied().collect::<Vec<_>>().join(",");
+        match state.step(Instant::now(), on, hold) {
+            Some(Change::Enter) => {
+                tracing::warn!(
+                    reasons,
+                    "at risk: holding back lower classes and throttling their cgroups"
+                );
+                scheduler.hold_above(Some(config.risk.protect_priority));
+                lock(&throttler).throttle(&config);
+            }
+            Some(Change::Exit) => {
+                tracing::info!(
+                    hold_ms = hold.as_millis() as u64,
+                    "risk clear: dispatch resumes, cgroups restored"
+                );
+                scheduler.hold_above(None);
+                lock(&throttler).restore();
+            }
+            None => {}
+        }
+    }
+}
+
+fn lock(throttler: &Mutex<Throttler>) -> std::sync::MutexGuard<'_, Throttler> {
+    throttler
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RiskConfig;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn each_signal_has_its_threshold_and_a_clear_band() {
+        let config = RiskConfig::default();
+        let none = BTreeSet::new();
+        let inputs = Inputs {
+            wait_fractions: vec![0.55],
+            swap_in: Some(50.0),
+            ..Inputs::default()
+        };
+        let on = evaluate(&inputs, &config, &none);
+        assert_eq!(on, BTreeSet::from(["wait"]));
+        // 0.45 is under the threshold (0.5) but above the clear band (0.4): stays on.
+        let inputs = Inputs {
+            wait_fractions: vec![0.45],
+            ..Inputs::default()
+        };
+        assert_eq!(evaluate(&inputs, &config, &on), BTreeSet::from(["wait"]));
+        assert!(
+            evaluate(&inputs, &config, &none).is_empty(),
+            "not on without having been on"
+        );
+        let inputs = Inputs {
+            wait_fractions: vec![0.35],
+            ..Inputs::default()
+        };
+        assert!(evaluate(&inputs, &config, &on).is_empty());
+    }
+
+    #[test]
+    fn ttft_counts_only_with_enough_samples() {
+        let config = RiskConfig::default();
+        let slow = |n| Inputs {
+            ttft: vec![(3000 * MS, n, 2000 * MS)],
+            ..Inputs::default()
+        };
+        assert!(evaluate(&slow(2), &config, &BTreeSet::new()).is_empty());
+        assert_eq!(
+            evaluate(&slow(5), &config, &BTreeSet::new()),
+            BTreeSet::from(["ttft"])
+        );
+    }
+
+    #[test]
+    fn host_signals() {
+        let config = RiskConfig::default();
+        let inputs = Inputs {
+            swap_in: Some(500.0),
+            memory_pressure: Some(0.2),
+            gpu_memory: Some(0.99),
+            ..Inputs::default()
+        };
+        let on = evaluate(&inputs, &config, &BTreeSet::new());
+        assert_eq!(
+            on,
+            BTreeSet::from(["gpu_memory", "memory_pressure", "swap"])
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn risk_lifts_only_after_the_hold_time() {
+        let mut state = State::default();
+        let hold = Duration::from_secs(10);
+        let t0 = Instant::now();
+        assert_eq!(
+            state.step(t0, BTreeSet::from(["wait"]), hold),
+            Some(Change::Enter)
+        );
+        assert_eq!(state.step(t0 + MS, BTreeSet::from(["swap"]), hold), None);
+        assert_eq!(
+            state.step(t0 + 2 * MS, BTreeSet::new(), hold),
+            None,
+            "clear starts the hold"
+        );
+        assert_eq!(
+            state.step(t0 + Duration::from_secs(5), BTreeSet::new(), hold),
+            None
+        );
+        assert_eq!(
+            state.step(t0 + Duration::from_secs(6), BTreeSet::from(["wait"]), hold),
+            None,
+            "back on: hold restarts"
+        );
+        assert_eq!(
+            state.step(t0 + Duration::from_secs(7), BTreeSet::new(), hold),
+            None
+        );
+        assert_eq!(
+            state.step(t0 + Duration::from_secs(17), BTreeSet::new(), hold),
+            Some(Change::Exit)
+        );
+        assert!(!state.at_risk);
+    }
+}

@@ -1,0 +1,328 @@
+//! Holding batch work back on this machine's real cgroups: a real busy process in the batch
+//! cgroup (put there by `guard exec`), interactive requests put at risk behind a batch
+//! request, cgroup v2 freeze and v1 CPU quota, restore after the hold time, on SIGTERM and
+//! after SIGKILL on the next start, the lock between two guards, and bad cgroup configs.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use guard_tests::{
+    ChildGuard, TempDir, TestCgroup, cgroup2_root, guard_bin,
+    http::{Leave, leave, post, raw_request},
+    require_root, serial,
+    servers::{GuardProcess, OllamaEmulator},
+};
+use serde_json::json;
+
+/// Config for a batch class throttled by `mode` in `cgroup`, and an interactive class whose
+/// requests are at risk once they have waited 200 ms.
+fn config(cgroup: &Path, mode: &str, state_dir: &Path) -> String {
+    format!(
+        "[estimate]\ninitial_service_ms = 100\n\
+         [risk]\nwait_fraction = 0.1\nhold_ms = 1000\nstate_dir = \"{}\"\n\
+         [class.interactive]\npriority = 0\nmax_queue = 8\ndeadline_ms = 2000\n\
+         [class.batch]\npriority = 10\nmax_queue = 100\ncgroup = \"{}\"\nthrottle = \"{mode}\"\n",
+        state_dir.display(),
+        cgroup.display()
+    )
+}
+
+/// A CPU-bound process started in the batch class's cgroup by `guard exec`.
+fn busy_in_class(config_path: &Path, cgroup: &Path) -> ChildGuard {
+    let child = Command::new(guard_bin())
+        .args(["exec", "--config"])
+        .arg(config_path)
+        .args(["--class", "batch", "--", "sh", "-c", "while :; do :; done"])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("guard exec");
+    let pid = child.id().to_string();
+    let child = ChildGuard(child);
+    let started = Instant::now();
+    while !std::fs::read_to_string(cgroup.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l == pid)
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "guard exec did not move the process"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child
+}
+
+/// CPU seconds `pid` used over a measurement interval.
+fn cpu_over(pid: u32, interval: Duration) -> f64 {
+    let read = || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .expect("comm")
+            .1
+            .split_whitespace()
+            .collect();
+        let ticks: f64 =
+            fields[11].parse::<f64>().expect("utime") + fields[12].parse::<f64>().expect("stime");
+        ticks / 100.0
+    };
+    let before = read();
+    // The interval is what is measured, not a wait for something to happen.
+    std::thread::sleep(interval);
+    read() - before
+}
+
+/// Puts the interactive class at risk: a batch chat takes the only slot, an interactive chat
+/// waits behind it. Returns the batch client (leave it to lift the risk) and the waiter.
+async fn put_at_risk(
+    guard: &GuardProcess,
+) -> (tokio::net::TcpStream, tokio::task::JoinHandle<u16>) {
+    let chat =
+        json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }] });
+    let batch = raw_request(
+        guard.listen,
+        "/api/chat",
+        &[("x-guard-class", "batch")],
+        &chat,
+    )
+    .await;
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    let addr = guard.listen;
+    // A short answer, so that the estimate stays short and the next one is admitted too.
+    let short = json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }], "options": { "num_predict": 2 } });
+    let interactive =
+        tokio::spawn(async move { post(addr, "/api/chat", &[], &short).await.status });
+    guard
+        .wait_for_metric("guard_at_risk{reason=\"wait\"}", 1.0)
+        .await;
+    guard
+        .wait_for_metric("guard_class_throttled{class=\"batch\"}", 1.0)
+        .await;
+    (batch, interactive)
+}
+
+fn read(file: PathBuf) -> String {
+    std::fs::read_to_string(&file)
+        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+        .trim()
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cgroup_v2_freeze_holds_batch_and_lets_go_after_the_hold_time() {
+    require_root();
+    let _serial = serial().await;
+    let state = TempDir::new("guard-throttle-v2");
+    let cgroup = TestCgroup::new(&cgroup2_root(), "guard-test-batch-v2");
+    let ollama = OllamaEmulator::start(&["--tokens", "200", "--token-delay-ms", "50"]);
+    let mut guard = GuardProcess::start(
+        ollama.addr,
+        "ollama",
+        &config(&cgroup.path, "freeze", &state.0),
+    );
+    let busy = busy_in_class(&guard.config_path, &cgroup.path);
+    let pid = busy.0.id();
+    assert!(
+        cpu_over(pid, Duration::from_millis(500)) > 0.3,
+        "the busy process runs"
+    );
+
+    let (batch, interactive) = put_at_risk(&guard).await;
+    assert_eq!(read(cgroup.path.join("cgroup.freeze")), "1");
+    let frozen = cpu_over(pid, Duration::from_millis(500));
+    assert!(frozen < 0.02, "frozen: {frozen} CPU s in 0.5 s");
+
+    leave(batch, Leave::Fin);
+    assert_eq!(interactive.await.expect("interactive"), 200);
+    guard.wait_for_log("risk clear");
+    assert_eq!(
+        guard.metric("guard_class_throttled{class=\"batch\"}").await,
+        0.0
+    );
+    assert_eq!(read(cgroup.path.join("cgroup.freeze")), "0");
+    assert!(
+        cpu_over(pid, Duration::from_millis(500)) > 0.3,
+        "runs again after the hold time"
+    );
+
+    // Frozen again, then SIGTERM: guard restores on the way out.
+    let (batch, _interactive) = put_at_risk(&guard).await;
+    assert_eq!(read(cgroup.path.join("cgroup.freeze")), "1");
+    let status = guard.terminate().expect("exits on SIGTERM");
+    assert!(status.success(), "{status}");
+    assert_eq!(
+        read(cgroup.path.join("cgroup.freeze")),
+        "0",
+        "SIGTERM restored the cgroup"
+    );
+    drop(batch);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cgroup_v1_cpu_quota_limits_batch_to_its_share() {
+    require_root();
+    let _serial = serial().await;
+    let state = TempDir::new("guard-throttle-v1");
+    let cgroup = TestCgroup::new(Path::new("/sys/fs/cgroup/cpu"), "guard-test-batch-v1");
+    let original = read(cgroup.path.join("cpu.cfs_quota_us"));
+    let ollama = OllamaEmulator::start(&["--tokens", "200", "--token-delay-ms", "50"]);
+    let guard = GuardProcess::start(
+        ollama.addr,
+        "ollama",
+        &config(&cgroup.path, "cpu:10", &state.0),
+    );
+    let busy = busy_in_class(&guard.config_path, &cgroup.path);
+    let pid = busy.0.id();
+
+    let (batch, interactive) = put_at_risk(&guard).await;
+    assert_eq!(read(cgroup.path.join("cpu.cfs_quota_us")), "10000");
+    let limited = cpu_over(pid, Duration::from_secs(1));
+    assert!(
+        (0.03..0.2).contains(&limited),
+        "about 10 % of a CPU: {limited} CPU s in 1 s"
+    );
+
+    leave(batch, Leave::Fin);
+    assert_eq!(interactive.await.expect("interactive"), 200);
+    guard
+        .wait_for_metric("guard_at_risk{reason=\"wait\"}", 0.0)
+        .await;
+    let started = Instant::now();
+    while read(cgroup.path.join("cpu.cfs_quota_us")) != original {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "quota not restored"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        cpu_over(pid, Duration::from_millis(500)) > 0.3,
+        "full speed again"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkill_while_throttled_is_repaired_by_the_next_start() {
+    require_root();
+    let _serial = serial().await;
+    let state = TempDir::new("guard-throttle-crash");
+    let cgroup = TestCgroup::new(&cgroup2_root(), "guard-test-batch-crash");
+    let ollama = OllamaEmulator::start(&["--tokens", "200", "--token-delay-ms", "50"]);
+    let extra = config(&cgroup.path, "freeze", &state.0);
+    let guard = GuardProcess::start(ollama.addr, "ollama", &extra);
+    let _busy = busy_in_class(&guard.config_path, &cgroup.path);
+    let (batch, _interactive) = put_at_risk(&guard).await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(guard.pid() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("SIGKILL");
+    let started = Instant::now();
+    while Path::new(&format!("/proc/{}/stat", guard.pid())).exists()
+        && !std::fs::read_to_string(format!("/proc/{}/stat", guard.pid()))
+            .unwrap_or_default()
+            .contains(") Z")
+    {
+        assert!(started.elapsed() < Duration::from_secs(5));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        read(cgroup.path.join("cgroup.freeze")),
+        "1",
+        "a killed guard could not restore"
+    );
+    drop(batch);
+    drop(guard);
+
+    let restarted = GuardProcess::start(ollama.addr, "ollama", &extra);
+    assert_eq!(
+        read(cgroup.path.join("cgroup.freeze")),
+        "0",
+        "the next start restored it"
+    );
+    assert!(
+        restarted
+            .startup_log
+            .iter()
+            .any(|l| l.contains("restored a cgroup value")),
+        "{:#?}",
+        restarted.startup_log
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_guards_cannot_throttle_one_cgroup() {
+    require_root();
+    let _serial = serial().await;
+    let state = TempDir::new("guard-throttle-lock");
+    let cgroup = TestCgroup::new(&cgroup2_root(), "guard-test-batch-lock");
+    let ollama = OllamaEmulator::start(&[]);
+    let extra = config(&cgroup.path, "freeze", &state.0);
+    let first = GuardProcess::start(ollama.addr, "ollama", &extra);
+    let second = Command::new(guard_bin())
+        .args(["run", "--config"])
+        .arg(&first.config_path)
+        .output()
+        .expect("second guard");
+    assert_eq!(second.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        stderr.contains("already throttled by another guard"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("class.batch.cgroup"), "{stderr}");
+}
+
+#[test]
+fn unusable_cgroup_configs_are_refused_at_start() {
+    require_root();
+    let state = TempDir::new("guard-throttle-bad");
+    let cases = [
+        (
+            PathBuf::from("/tmp/guard-not-a-cgroup"),
+            "freeze",
+            "not inside a cgroup filesystem",
+        ),
+        (
+            cgroup2_root().join("guard-test-no-cpu"),
+            "cpu:10",
+            "cpu controller",
+        ),
+        (
+            PathBuf::from("/sys/fs/cgroup/cpu/guard-test-no-freezer"),
+            "freeze",
+            "freezer controller",
+        ),
+    ];
+    for (path, mode, expected) in cases {
+        let file = state.0.join("guard.toml");
+        let (listen, metrics) = (guard_tests::free_addr(), guard_tests::free_addr());
+        std::fs::write(
+            &file,
+            format!(
+                "[metrics]\nlisten = \"{metrics}\"\n[server]\nlisten = \"{listen}\"\n{}",
+                config(&path, mode, &state.0)
+            ),
+        )
+        .expect("write");
+        let output = Command::new(guard_bin())
+            .args(["run", "--config"])
+            .arg(&file)
+            .output()
+            .expect("guard");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(64), "{stderr}");
+        assert!(
+            stderr.contains("class.batch.cgroup") && stderr.contains(expected),
+            "{mode} at {}: {stderr}",
+            path.display()
+        );
+        let _ = std::fs::remove_dir(&path);
+    }
+}
