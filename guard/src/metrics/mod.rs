@@ -294,6 +294,7 @@ impl Metrics {
         }
         self.queue_depth.with_label_values(&[class]);
         self.inflight.with_label_values(&[class]);
+        self.class_throttled.with_label_values(&[class]);
         self.queue_wait_seconds.with_label_values(&[class]);
         self.ttft_seconds.with_label_values(&[class]);
         self.request_duration_seconds.with_label_values(&[class]);

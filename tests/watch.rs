@@ -1,0 +1,346 @@
+//! What fails quietly, made visible: partial CPU offload and cold loads (through the Ollama
+//! emulator: Ollama cannot be installed here), models served from elsewhere (flagged, and
+//! refused with 403 when configured), swap, PSI and the upstream process, no GPU here
+//! (`guard_gpu_available 0`), `guard status` and `guard doctor`, and the Prometheus side: the
+//! alert rules check and pass their unit tests, every metric the dashboard and the rules name
+//! exists in a running guard, and a real Prometheus scrapes it.
+
+use std::{
+    collections::BTreeSet,
+    path::Path,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use guard_tests::{
+    ChildGuard, TempDir, free_addr, guard_bin,
+    http::{get, post},
+    serial,
+    servers::{GuardProcess, OllamaEmulator},
+};
+use serde_json::json;
+
+const CLASSES: &str = "[class.interactive]\npriority = 0\nmax_queue = 8\ndeadline_ms = 5000\n\
+                       [class.batch]\npriority = 10\nmax_queue = 100\n\
+                       [watch]\ninterval_ms = 200\ncold_load_ms = 300\n";
+
+fn chat(model: &str) -> serde_json::Value {
+    json!({ "model": model, "messages": [{ "role": "user", "content": "hi" }], "stream": false })
+}
+
+/// An emulated Ollama with one model half on the CPU, slow cold loads and one cloud model,
+/// and guard in front of it after one cold and one warm chat.
+async fn watched_guard(extra: &str) -> (OllamaEmulator, GuardProcess) {
+    let ollama = OllamaEmulator::start(&[
+        "--models",
+        "smollm2:135m,gpt-oss:20b-cloud",
+        "--remote-models",
+        "gpt-oss:20b-cloud",
+        "--vram-ratio",
+        "0.48",
+        "--load-ms",
+        "500",
+        "--tokens",
+        "3",
+    ]);
+    let guard = GuardProcess::start(ollama.addr, "ollama", &format!("{CLASSES}{extra}"));
+    for _ in 0..2 {
+        assert_eq!(
+            post(guard.listen, "/api/chat", &[], &chat("smollm2:135m"))
+                .await
+                .status,
+            200
+        );
+    }
+    (ollama, guard)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn offload_cold_loads_and_remote_models_show_in_metrics_and_status() {
+    let _serial = serial().await;
+    let (_ollama, guard) = watched_guard("").await;
+    guard
+        .wait_for_metric("guard_model_cpu_offload_ratio{model=\"smollm2:135m\"}", 0.5)
+        .await;
+    assert_eq!(
+        guard
+            .metric("guard_model_cpu_offload_ratio{model=\"smollm2:135m\"}")
+            .await,
+        0.52
+    );
+    assert_eq!(
+        guard
+            .metric("guard_model_cold_loads_total{model=\"smollm2:135m\"}")
+            .await,
+        1.0,
+        "one cold, one warm"
+    );
+    guard
+        .wait_for_metric("guard_model_remote{model=\"gpt-oss:20b-cloud\"}", 1.0)
+        .await;
+    assert_eq!(
+        guard
+            .metric("guard_model_remote{model=\"smollm2:135m\"}")
+            .await,
+        0.0
+    );
+    // Without refuse_remote_models the request passes, flagged.
+    assert_eq!(
+        post(guard.listen, "/api/chat", &[], &chat("gpt-oss:20b-cloud"))
+            .await
+            .status,
+        200
+    );
+
+    let status = get(guard.metrics, "/status").await.expect("status").json();
+    let loaded = &status["watch"]["upstream"]["loaded_models"];
+    assert_eq!(loaded[0]["name"], "smollm2:135m", "{status}");
+    assert_eq!(loaded[0]["cpu_offload_ratio"], 0.52);
+    assert!(
+        status["watch"]["host"]["swap_total_bytes"].is_u64(),
+        "{status}"
+    );
+    assert_eq!(
+        status["watch"]["gpu"]["available"], false,
+        "no NVIDIA driver on this machine"
+    );
+
+    let text = guard.metrics_text().await;
+    let m = |s: &str| guard_tests::metric(&text, s);
+    assert_eq!(m("guard_gpu_available"), Some(0.0));
+    assert_eq!(
+        m("guard_psi_available"),
+        Some(1.0),
+        "this kernel offers PSI"
+    );
+    assert!(m("guard_pressure_waiting_ratio{resource=\"cpu\"}").is_some());
+    assert!(m("guard_swap_total_bytes").is_some());
+    assert!(
+        m("guard_upstream_rss_bytes").is_some_and(|rss| rss > 1e6),
+        "the emulator's process was found by its port"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn remote_models_are_refused_with_403_when_configured() {
+    let _serial = serial().await;
+    let (ollama, guard) = watched_guard("[upstream]\nrefuse_remote_models = true\n").await;
+    guard
+        .wait_for_metric("guard_model_remote{model=\"gpt-oss:20b-cloud\"}", 1.0)
+        .await;
+    let refused = post(guard.listen, "/api/chat", &[], &chat("gpt-oss:20b-cloud")).await;
+    assert_eq!(refused.status, 403);
+    let error = refused.json()["error"]
+        .as_str()
+        .expect("Ollama shape")
+        .to_owned();
+    assert!(
+        error.contains("gpt-oss:20b-cloud") && error.contains("refuse_remote_models"),
+        "{error}"
+    );
+    assert_eq!(
+        guard
+            .metric("guard_remote_refused_total{model=\"gpt-oss:20b-cloud\"}")
+            .await,
+        1.0
+    );
+    let stats = ollama.stats().await;
+    assert_eq!(
+        stats["requests"]["/api/chat"], 2,
+        "the refused chat never left guard"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn status_and_doctor_read_like_tables() {
+    let _serial = serial().await;
+    let (_ollama, guard) = watched_guard("").await;
+    let status = Command::new(guard_bin())
+        .args(["status", "--url", &format!("http://{}", guard.metrics)])
+        .output()
+        .expect("guard status");
+    let table = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        status.status.success(),
+        "{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    assert!(
+        table.contains("interactive") && table.contains("batch") && table.contains("ebpf"),
+        "{table}"
+    );
+
+    let doctor = Command::new(guard_bin())
+        .args(["doctor", "--config"])
+        .arg(&guard.config_path)
+        .output()
+        .expect("guard doctor");
+    let lines = String::from_utf8_lossy(&doctor.stdout).into_owned();
+    for check in [
+        "bpf capabilities",
+        "tracepoint",
+        "cgroups",
+        "NVIDIA GPU",
+        "upstream",
+        "server.listen",
+    ] {
+        assert!(
+            lines.lines().any(|l| l.contains(check)),
+            "doctor checks {check}:\n{lines}"
+        );
+    }
+    let gpu = lines
+        .lines()
+        .find(|l| l.contains("NVIDIA GPU"))
+        .expect("gpu line");
+    assert!(
+        gpu.starts_with("missing") && gpu.contains("driver"),
+        "{gpu}"
+    );
+    let listen = lines
+        .lines()
+        .find(|l| l.contains("server.listen"))
+        .expect("listen line");
+    assert!(
+        listen.starts_with("missing"),
+        "guard itself holds the port: {listen}"
+    );
+    assert!(!doctor.status.success(), "a missing item fails doctor");
+}
+
+fn promtool(args: &[&str], dir: &Path) -> String {
+    let output = Command::new("promtool")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("promtool (apt prometheus)");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "promtool {args:?}: {text}");
+    text
+}
+
+fn deploy() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy"))
+}
+
+#[test]
+fn alert_rules_check_and_pass_their_unit_tests() {
+    let dir = deploy().join("prometheus");
+    assert!(promtool(&["check", "rules", "guard-alerts.yml"], &dir).contains("SUCCESS"));
+    assert!(promtool(&["test", "rules", "guard-alerts.test.yml"], &dir).contains("SUCCESS"));
+}
+
+/// The guard_* metric names an expression text uses, without histogram suffixes.
+fn named_metrics(text: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("guard_") {
+        let tail = &rest[at..];
+        let name: String = tail
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        let base = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(&name)
+            .to_owned();
+        names.insert(base);
+        rest = &tail[name.len().max(1)..];
+    }
+    names
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_metric_of_the_dashboard_and_rules_exists_in_a_running_guard() {
+    let _serial = serial().await;
+    let (_ollama, guard) = watched_guard("").await;
+    guard
+        .wait_for_metric("guard_model_remote{model=\"gpt-oss:20b-cloud\"}", 1.0)
+        .await;
+    let dashboard =
+        std::fs::read_to_string(deploy().join("grafana/guard-dashboard.json")).expect("dashboard");
+    let parsed: serde_json::Value =
+        serde_json::from_str(&dashboard).expect("the dashboard is valid JSON");
+    assert!(
+        parsed["panels"].as_array().is_some_and(|p| p.len() > 10),
+        "a Grafana dashboard with panels"
+    );
+    let rules =
+        std::fs::read_to_string(deploy().join("prometheus/guard-alerts.yml")).expect("rules");
+    let text = guard.metrics_text().await;
+    let exported: BTreeSet<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split(' ').next())
+        .collect();
+    let gpu_available = guard_tests::metric(&text, "guard_gpu_available") == Some(1.0);
+    let mut missing = Vec::new();
+    for name in named_metrics(&dashboard).union(&named_metrics(&rules)) {
+        // Per-GPU series exist only where NVML reads a GPU; guard_gpu_available says which.
+        let per_gpu = name.starts_with("guard_gpu_") && name != "guard_gpu_available";
+        if !exported.contains(name.as_str()) && !(per_gpu && !gpu_available) {
+            missing.push(name.clone());
+        }
+    }
+    assert!(missing.is_empty(), "named but not exported: {missing:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_real_prometheus_scrapes_guard() {
+    let _serial = serial().await;
+    let (_ollama, guard) = watched_guard("").await;
+    let dir = TempDir::new("guard-prometheus");
+    let config = dir.0.join("prometheus.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "global:\n  scrape_interval: 1s\nrule_files:\n  - {}\nscrape_configs:\n  - job_name: guard\n    static_configs:\n      - targets: ['{}']\n",
+            deploy().join("prometheus/guard-alerts.yml").display(),
+            guard.metrics
+        ),
+    )
+    .expect("write prometheus.yml");
+    let web = free_addr();
+    let _prometheus = ChildGuard(
+        Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.0.join("data").display()
+            ))
+            .arg(format!("--web.listen-address={web}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start prometheus (apt prometheus)"),
+    );
+    let started = Instant::now();
+    let query = "/api/v1/query?query=guard_requests_total%7Bclass%3D%22interactive%22%2Coutcome%3D%22completed%22%7D";
+    loop {
+        if let Ok(response) = get(web, query).await
+            && response.status == 200
+        {
+            let body = response.json();
+            if let Some(value) = body["data"]["result"][0]["value"][1].as_str() {
+                assert_eq!(value, "2", "Prometheus holds guard's count: {body}");
+                assert_eq!(body["data"]["result"][0]["metric"]["job"], "guard");
+                break;
+            }
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "Prometheus never had guard's data"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let rules = get(web, "/api/v1/rules").await.expect("rules").json();
+    assert_eq!(
+        rules["data"]["groups"][0]["name"], "guard",
+        "the alert rules loaded"
+    );
+}
