@@ -15,6 +15,10 @@ pub enum Bench {
     Proxy,
     /// Reap latency with eBPF and from user space; tokens not generated for departed clients.
     Reap,
+    /// guard's RSS idle and under load, CPU per 1,000 requests, watcher CPU.
+    Footprint,
+    /// Interactive TTFT and batch throughput with and without cgroup throttling.
+    Protect,
 }
 
 impl Bench {
@@ -23,6 +27,8 @@ impl Bench {
             Self::Ebpf => "ebpf",
             Self::Proxy => "proxy",
             Self::Reap => "reap",
+            Self::Footprint => "footprint",
+            Self::Protect => "protect",
         }
     }
 }
