@@ -38,7 +38,7 @@ fn main() {
         println!(
             "interactive chats through guard ({CHATS}, one at a time, deadline {DEADLINE_MS} ms) while a second llama-server extracts in the batch cgroup:"
         );
-        println!("{:<34} {:>10} {:>10} {:>14}", "", "TTFT p50", "TTFT p95", "batch tok/h");
+        println!("{:<34} {:>10} {:>10} {:>14} {:>9}", "", "TTFT p50", "TTFT p95", "batch tok/h", "at risk");
         for scenario in [
             Scenario { name: "no protection", throttle: None },
             Scenario { name: "guard: cgroup v2 freeze", throttle: Some((cgroup2_root(), "freeze")) },
@@ -78,6 +78,9 @@ async fn run(scenario: &Scenario) {
             }
         })
     };
+    // One chat first, so both servers are warm before anything is timed.
+    let warm = json!({ "messages": [{ "role": "user", "content": "Say hello." }], "max_tokens": 4 });
+    post(guard.listen, "/v1/chat/completions", &[], &warm).await;
     let tokens_before = batch_tokens(batch_addr).await;
     let started = Instant::now();
     let mut ttft = Vec::new();
@@ -96,13 +99,15 @@ async fn run(scenario: &Scenario) {
     stop.store(true, Ordering::Relaxed);
     let tokens = batch_tokens(batch_addr).await - tokens_before;
     extractor.abort();
+    let episodes = guard.log_lines().iter().filter(|l| l.contains("at risk:")).count();
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
-        "{:<34} {:>7.0} ms {:>7.0} ms {:>14.0}",
+        "{:<34} {:>7.0} ms {:>7.0} ms {:>14.0} {:>9}",
         scenario.name,
         ms(percentile(&ttft, 0.5)),
         ms(percentile(&ttft, 0.95)),
-        tokens * 3600.0 / elapsed.as_secs_f64()
+        tokens * 3600.0 / elapsed.as_secs_f64(),
+        episodes
     );
 }
 
