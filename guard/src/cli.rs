@@ -45,9 +45,91 @@ pub enum Command {
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
+    /// Record a baseline run in the logbook: a fixed input set against a named model.
+    Bench(Box<BenchArgs>),
+    /// List, check due retests, compare, and plot logbook entries.
+    Logbook {
+        /// The logbook file.
+        #[arg(long, default_value = crate::logbook::DEFAULT_PATH, global = true)]
+        logbook: PathBuf,
+        #[command(subcommand)]
+        command: LogbookCommand,
+    },
     /// Check what guard needs from this host; each line ok or missing, with the fix.
     Doctor {
         #[arg(long)]
         config: Option<PathBuf>,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// The input set: JSONL, one `{"prompt": ...}` or `{"messages": [...]}` a line, each with an
+    /// optional "expect" (regular expression) and "expect_json" (keys the answer must have).
+    #[arg(long)]
+    pub input: PathBuf,
+    /// The server (or guard in front of it) to measure.
+    #[arg(long, default_value = "http://127.0.0.1:11434")]
+    pub url: String,
+    /// "ollama" or "openai" (llama-server, vLLM, ...).
+    #[arg(long, default_value = "ollama")]
+    pub api: String,
+    #[arg(long)]
+    pub model: String,
+    /// The runtime's name (ollama, llama.cpp, vllm, ...).
+    #[arg(long)]
+    pub runtime: String,
+    /// Its version, where the server does not say.
+    #[arg(long)]
+    pub runtime_version: Option<String>,
+    /// The server's launch flags (default: its command line from /proc where it runs here).
+    #[arg(long)]
+    pub launch_flags: Option<String>,
+    /// The server's pid (default: found by the URL's port).
+    #[arg(long)]
+    pub server_pid: Option<i32>,
+    /// The model file, for its digest where the server gives none.
+    #[arg(long)]
+    pub model_file: Option<PathBuf>,
+    /// A command that restarts the server, for a cold start where the API cannot unload.
+    #[arg(long)]
+    pub restart: Option<String>,
+    /// Repetitions of the whole input set.
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// The workload class (sent as x-guard-class).
+    #[arg(long, default_value = "batch")]
+    pub class: String,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: u32,
+    /// What was decided from this run.
+    #[arg(long, default_value = "baseline")]
+    pub decision: String,
+    /// Who owns the number.
+    #[arg(long)]
+    pub owner: String,
+    /// Days until this baseline should be measured again.
+    #[arg(long, default_value_t = 30)]
+    pub retest_days: u64,
+    #[arg(long, default_value = crate::logbook::DEFAULT_PATH)]
+    pub logbook: PathBuf,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum LogbookCommand {
+    /// Every entry, due retests marked.
+    List,
+    /// Entries whose retest date has come (exit 1 when any are due).
+    Due,
+    /// Every figure of B against A: gains, costs, and what is inside the runs' spread.
+    Compare { a: String, b: String },
+    /// An SVG plot of the TTFT distribution of one entry, or two overlaid.
+    Report {
+        id: String,
+        /// A second entry to overlay.
+        #[arg(long)]
+        compare: Option<String>,
+        #[arg(long)]
+        out: PathBuf,
     },
 }

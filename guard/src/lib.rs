@@ -8,6 +8,7 @@ pub mod config;
 pub mod daemon;
 pub mod doctor;
 pub mod exec;
+pub mod logbook;
 pub mod metrics;
 pub mod proxy;
 pub mod queue;

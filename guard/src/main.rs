@@ -5,9 +5,9 @@ use std::{io::IsTerminal as _, path::PathBuf, process::ExitCode};
 use anyhow::Context as _;
 use clap::Parser as _;
 use guard::{
-    cli::{Cli, Command},
+    cli::{BenchArgs, Cli, Command, LogbookCommand},
     config::{self, Config, ConfigError},
-    daemon, doctor, status,
+    daemon, doctor, logbook, status,
 };
 
 /// The exit status for a bad config (DESIGN section 4).
@@ -80,6 +80,8 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             eprintln!("guard exec: {err}");
             Ok(ExitCode::from(EXIT_BAD_CONFIG))
         }
+        Command::Bench(args) => bench(*args),
+        Command::Logbook { logbook, command } => logbook_command(&logbook, command),
         Command::Doctor { config } => {
             let config = match load(config) {
                 Ok((config, _)) => config,
@@ -94,6 +96,78 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             })
         }
     }
+}
+
+fn bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    let api = match args.api.as_str() {
+        "ollama" => config::Api::Ollama,
+        "openai" => config::Api::Openai,
+        other => anyhow::bail!("--api {other}: use ollama or openai"),
+    };
+    let plan = logbook::run::Plan {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        url: args.url,
+        api,
+        model: args.model,
+        runtime: args.runtime,
+        runtime_version: args.runtime_version,
+        launch_flags: args.launch_flags,
+        input: args.input,
+        repetitions: args.repeat.max(1),
+        class: args.class,
+        server_pid: args.server_pid,
+        model_file: args.model_file,
+        restart: args.restart,
+        max_tokens: args.max_tokens,
+        decision: args.decision,
+        owner: args.owner,
+        retest_days: args.retest_days,
+    };
+    let entry = runtime()?.block_on(logbook::run::run(&plan))?;
+    logbook::append(&args.logbook, &entry).context("recording the run")?;
+    println!(
+        "{}",
+        logbook::list(std::slice::from_ref(&entry), &logbook::today())
+    );
+    println!("recorded as {} in {}", entry.id, args.logbook.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn logbook_command(path: &std::path::Path, command: LogbookCommand) -> anyhow::Result<ExitCode> {
+    let entries = logbook::read(path)?;
+    let today = logbook::today();
+    match command {
+        LogbookCommand::List => print!("{}", logbook::list(&entries, &today)),
+        LogbookCommand::Due => {
+            let due: Vec<_> = logbook::due(&entries, &today)
+                .into_iter()
+                .cloned()
+                .collect();
+            print!("{}", logbook::list(&due, &today));
+            if !due.is_empty() {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        LogbookCommand::Compare { a, b } => {
+            print!(
+                "{}",
+                logbook::compare::compare(
+                    logbook::find(&entries, &a)?,
+                    logbook::find(&entries, &b)?
+                )
+            );
+        }
+        LogbookCommand::Report { id, compare, out } => {
+            let mut chosen = vec![logbook::find(&entries, &id)?];
+            if let Some(other) = compare {
+                chosen.push(logbook::find(&entries, &other)?);
+            }
+            std::fs::write(&out, logbook::report::ttft_cdf(&chosen))
+                .with_context(|| format!("writing {}", out.display()))?;
+            println!("wrote {}", out.display());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The config from `--config`, else the default path where it exists, else built-in defaults.

@@ -1,0 +1,112 @@
+//! One logbook entry: everything needed for a number to keep its meaning months later.
+
+use serde::{Deserialize, Serialize};
+
+/// p50 and p95 over all runs, with the spread of the per-run p50s.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Spread {
+    pub p50: f64,
+    pub p95: f64,
+    /// Lowest and highest per-run p50: a difference inside this range may be noise.
+    pub run_p50_min: f64,
+    pub run_p50_max: f64,
+}
+
+impl Spread {
+    /// From per-run sample lists.
+    pub fn of(runs: &[Vec<f64>]) -> Self {
+        let all: Vec<f64> = runs.iter().flatten().copied().collect();
+        let run_p50s: Vec<f64> = runs.iter().map(|r| quantile(r, 0.5)).collect();
+        Self {
+            p50: quantile(&all, 0.5),
+            p95: quantile(&all, 0.95),
+            run_p50_min: run_p50s
+                .iter()
+                .copied()
+                .fold(f64::INFINITY, f64::min)
+                .min(f64::MAX),
+            run_p50_max: run_p50s.iter().copied().fold(0.0, f64::max),
+        }
+    }
+}
+
+/// The value at quantile `q` of `samples` (0 for none).
+pub fn quantile(samples: &[f64], q: f64) -> f64 {
+    if samples.is_empty() {
+        return 0.0;
+    }
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+/// A measurement that may be absent on this machine: a number or "unavailable".
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Maybe {
+    Value(f64),
+    Unavailable(String),
+}
+
+impl Maybe {
+    pub fn unavailable() -> Self {
+        Self::Unavailable("unavailable".to_owned())
+    }
+
+    pub fn value(&self) -> Option<f64> {
+        match self {
+            Self::Value(v) => Some(*v),
+            Self::Unavailable(_) => None,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct InputSet {
+    pub path: String,
+    pub sha256: String,
+    pub inputs: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    pub id: String,
+    pub recorded_at: String,
+    /// The exact command line that produced this entry.
+    pub command: String,
+    pub model: String,
+    pub model_digest: String,
+    pub runtime: String,
+    pub runtime_version: String,
+    pub launch_flags: String,
+    pub api: String,
+    pub url: String,
+    pub workload_class: String,
+    pub input_set: InputSet,
+    pub repetitions: usize,
+    /// TTFT of the first request after the model was unloaded (or the server restarted).
+    pub cold_start_ms: Maybe,
+    /// TTFT of a request right after another (model loaded).
+    pub warm_start_ms: f64,
+    pub ttft_ms: Spread,
+    pub completion_ms: Spread,
+    pub decode_tokens_per_second: Spread,
+    pub queue_delay_ms: Spread,
+    pub peak_server_rss_bytes: Maybe,
+    pub peak_gpu_memory_bytes: Maybe,
+    pub energy_joules: Maybe,
+    pub mean_power_watts: Maybe,
+    pub quality_failures: usize,
+    pub abstentions: usize,
+    /// Every TTFT sample, for the report's distribution plot.
+    pub ttft_samples_ms: Vec<f64>,
+    pub decision: String,
+    pub owner: String,
+    pub retest_date: String,
+}
+
+impl Entry {
+    pub fn is_due(&self, today: &str) -> bool {
+        self.retest_date.as_str() <= today
+    }
+}

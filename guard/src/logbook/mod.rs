@@ -1,0 +1,143 @@
+//! The benchmark logbook (DESIGN section 9): `guard bench` records a baseline run as one JSON
+//! line; `guard logbook` lists entries, flags due retests, compares two, and draws a report.
+
+pub mod compare;
+pub mod entry;
+pub mod report;
+pub mod run;
+
+use std::{
+    io::{BufRead as _, Write as _},
+    path::{Path, PathBuf},
+};
+
+pub use entry::Entry;
+
+/// Where the logbook lives unless `--logbook` says otherwise.
+pub const DEFAULT_PATH: &str = "/var/lib/guard/logbook.jsonl";
+
+#[derive(Debug, thiserror::Error)]
+pub enum LogbookError {
+    #[error("logbook {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("logbook {}:{line}: not an entry: {source}", path.display())]
+    Parse {
+        path: PathBuf,
+        line: usize,
+        source: serde_json::Error,
+    },
+    #[error("no entry `{0}` in the logbook (see `guard logbook list`)")]
+    NoEntry(String),
+    #[error("input set {}:{line}: {reason}", path.display())]
+    Input {
+        path: PathBuf,
+        line: usize,
+        reason: String,
+    },
+    #[error("{0}")]
+    Run(String),
+}
+
+/// Every entry, in the order recorded.
+pub fn read(path: &Path) -> Result<Vec<Entry>, LogbookError> {
+    let file = match std::fs::File::open(path) {
+        Ok(file) => file,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(LogbookError::Io {
+                path: path.to_owned(),
+                source,
+            });
+        }
+    };
+    std::io::BufReader::new(file)
+        .lines()
+        .enumerate()
+        .filter(|(_, line)| line.as_ref().map_or(true, |l| !l.trim().is_empty()))
+        .map(|(index, line)| {
+            let line_text = line.map_err(|source| LogbookError::Io {
+                path: path.to_owned(),
+                source,
+            })?;
+            serde_json::from_str(&line_text).map_err(|source| LogbookError::Parse {
+                path: path.to_owned(),
+                line: index + 1,
+                source,
+            })
+        })
+        .collect()
+}
+
+/// Appends one entry as one line.
+pub fn append(path: &Path, entry: &Entry) -> Result<(), LogbookError> {
+    let io = |source| LogbookError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(io)?;
+    let line = serde_json::to_string(entry).map_err(|e| LogbookError::Run(e.to_string()))?;
+    writeln!(file, "{line}").map_err(io)
+}
+
+/// The entry with this id (or unique id prefix).
+pub fn find<'a>(entries: &'a [Entry], id: &str) -> Result<&'a Entry, LogbookError> {
+    let matches: Vec<&Entry> = entries.iter().filter(|e| e.id.starts_with(id)).collect();
+    match matches.as_slice() {
+        [one] => Ok(one),
+        _ => Err(LogbookError::NoEntry(id.to_owned())),
+    }
+}
+
+/// `guard logbook list`: one line per entry, due retests marked.
+pub fn list(entries: &[Entry], today: &str) -> String {
+    let mut out = format!(
+        "{:<10} {:<20} {:<22} {:<12} {:>9} {:>9} {:<10} {:<12} {}\n",
+        "id", "recorded", "model", "runtime", "ttft p95", "done p95", "owner", "retest", "decision"
+    );
+    for e in entries {
+        let due = if e.is_due(today) { " DUE" } else { "" };
+        out.push_str(&format!(
+            "{:<10} {:<20} {:<22} {:<12} {:>7.0}ms {:>7.0}ms {:<10} {:<12} {}{due}\n",
+            &e.id[..e.id.len().min(8)],
+            &e.recorded_at[..e.recorded_at.len().min(19)],
+            truncate(&e.model, 22),
+            truncate(&e.runtime, 12),
+            e.ttft_ms.p95,
+            e.completion_ms.p95,
+            truncate(&e.owner, 10),
+            e.retest_date,
+            e.decision
+        ));
+    }
+    out
+}
+
+/// Entries whose retest date is today or earlier.
+pub fn due<'a>(entries: &'a [Entry], today: &str) -> Vec<&'a Entry> {
+    entries.iter().filter(|e| e.is_due(today)).collect()
+}
+
+fn truncate(text: &str, width: usize) -> String {
+    text.chars().take(width).collect()
+}
+
+/// Today as YYYY-MM-DD (UTC).
+pub fn today() -> String {
+    date_after(std::time::SystemTime::now(), 0)
+}
+
+/// The date `days` after `from`, as YYYY-MM-DD (UTC).
+pub fn date_after(from: std::time::SystemTime, days: u64) -> String {
+    let then = from + std::time::Duration::from_secs(days * 86_400);
+    humantime::format_rfc3339_seconds(then).to_string()[..10].to_owned()
+}

@@ -1,0 +1,670 @@
+//! `guard bench`: runs a fixed input set against a model N times and measures what the
+//! logbook records.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant, SystemTime},
+};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+use sha2::{Digest as _, Sha256};
+
+use super::{
+    LogbookError,
+    entry::{Entry, InputSet, Maybe, Spread},
+};
+use crate::config::Api;
+
+/// What `guard bench` was asked to do.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub command: String,
+    pub url: String,
+    pub api: Api,
+    pub model: String,
+    pub runtime: String,
+    pub runtime_version: Option<String>,
+    pub launch_flags: Option<String>,
+    pub input: PathBuf,
+    pub repetitions: usize,
+    pub class: String,
+    pub server_pid: Option<i32>,
+    pub model_file: Option<PathBuf>,
+    /// Restarts the server for a cold start where the API cannot unload a model.
+    pub restart: Option<String>,
+    pub max_tokens: u32,
+    pub decision: String,
+    pub owner: String,
+    pub retest_days: u64,
+}
+
+/// One input of the set.
+#[derive(Clone, Debug)]
+pub struct Input {
+    pub messages: serde_json::Value,
+    pub expect: Option<regex::Regex>,
+    pub expect_keys: Option<Vec<String>>,
+}
+
+/// Reads the input set: JSONL, each line `{"prompt": ...}` or `{"messages": [...]}`, with an
+/// optional `"expect"` (a regular expression the answer must match) and `"expect_json"` (a
+/// list of keys the answer, parsed as JSON, must have).
+pub fn read_inputs(path: &Path) -> Result<(Vec<Input>, String), LogbookError> {
+    let bytes = std::fs::read(path).map_err(|source| LogbookError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    let digest = format!("{:x}", Sha256::digest(&bytes));
+    let text = String::from_utf8_lossy(&bytes);
+    let bad = |line: usize, reason: String| LogbookError::Input {
+        path: path.to_owned(),
+        line,
+        reason,
+    };
+    let mut inputs = Vec::new();
+    for (index, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let value: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| bad(index + 1, e.to_string()))?;
+        let messages = match (&value["messages"], value["prompt"].as_str()) {
+            (serde_json::Value::Array(_), _) => value["messages"].clone(),
+            (_, Some(prompt)) => serde_json::json!([{ "role": "user", "content": prompt }]),
+            _ => {
+                return Err(bad(
+                    index + 1,
+                    "needs \"prompt\" (a string) or \"messages\" (a list)".to_owned(),
+                ));
+            }
+        };
+        let expect = value["expect"]
+            .as_str()
+            .map(|p| regex::Regex::new(p).map_err(|e| bad(index + 1, format!("expect: {e}"))))
+            .transpose()?;
+        let expect_keys = value["expect_json"].as_array().map(|keys| {
+            keys.iter()
+                .filter_map(|k| k.as_str().map(str::to_owned))
+                .collect()
+        });
+        inputs.push(Input {
+            messages,
+            expect,
+            expect_keys,
+        });
+    }
+    if inputs.is_empty() {
+        return Err(bad(0, "no inputs".to_owned()));
+    }
+    Ok((inputs, digest))
+}
+
+/// One request's measurements.
+#[derive(Clone, Debug, Default)]
+pub struct Sample {
+    pub ttft: Duration,
+    pub total: Duration,
+    pub tokens: u64,
+    pub text: String,
+    pub queue_ms: f64,
+}
+
+/// Whether an answer misses its expectation (a quality failure) or says nothing (abstention).
+pub fn judge(input: &Input, text: &str) -> (bool, bool) {
+    let trimmed = text.trim();
+    let lower = trimmed.to_lowercase();
+    let abstained = trimmed.is_empty()
+        || [
+            "i can't",
+            "i cannot",
+            "i'm sorry",
+            "i am unable",
+            "as an ai",
+        ]
+        .iter()
+        .any(|r| lower.starts_with(r));
+    let pattern_failed = input
+        .expect
+        .as_ref()
+        .is_some_and(|re| !re.is_match(trimmed));
+    let shape_failed = input.expect_keys.as_ref().is_some_and(|keys| {
+        let json = trimmed
+            .find('{')
+            .and_then(|at| serde_json::from_str::<serde_json::Value>(&trimmed[at..]).ok());
+        !json.is_some_and(|j| keys.iter().all(|k| j.get(k).is_some()))
+    });
+    (pattern_failed || shape_failed, abstained)
+}
+
+type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+
+/// Sends one streaming chat and measures it.
+async fn stream_once(
+    client: &HttpClient,
+    plan: &Plan,
+    input: &Input,
+) -> Result<Sample, LogbookError> {
+    let (path, body) = match plan.api {
+        Api::Openai => (
+            "/v1/chat/completions",
+            serde_json::json!({ "model": plan.model, "messages": input.messages, "stream": true, "max_tokens": plan.max_tokens }),
+        ),
+        Api::Ollama => (
+            "/api/chat",
+            serde_json::json!({ "model": plan.model, "messages": input.messages, "stream": true, "options": { "num_predict": plan.max_tokens } }),
+        ),
+    };
+    let request = http::Request::post(format!("{}{path}", plan.url.trim_end_matches('/')))
+        .header("content-type", "application/json")
+        .header("x-guard-class", &plan.class)
+        .body(Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| LogbookError::Run(e.to_string()))?;
+    let sent = Instant::now();
+    let response = client
+        .request(request)
+        .await
+        .map_err(|e| LogbookError::Run(format!("{path}: {e}")))?;
+    let status = response.status();
+    let queue_ms = response
+        .headers()
+        .get("x-guard-queue-ms")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .unwrap_or(0.0);
+    let mut body = response.into_body();
+    let mut sample = Sample {
+        queue_ms,
+        ..Sample::default()
+    };
+    let mut first = None;
+    let mut pending = String::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| LogbookError::Run(format!("{path}: {e}")))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        pending.push_str(&String::from_utf8_lossy(&data));
+        while let Some(end) = pending.find('\n') {
+            let line: String = pending.drain(..=end).collect();
+            let piece = token_text(plan.api, line.trim(), &mut sample.tokens);
+            if let Some(piece) = piece.filter(|p| !p.is_empty()) {
+                first.get_or_insert_with(|| sent.elapsed());
+                sample.text.push_str(&piece);
+            }
+        }
+    }
+    if !status.is_success() {
+        return Err(LogbookError::Run(format!(
+            "{path} answered {status}: {pending}"
+        )));
+    }
+    sample.total = sent.elapsed();
+    sample.ttft = first.unwrap_or(sample.total);
+    Ok(sample)
+}
+
+/// The text a stream line carries; counts tokens (one per content piece, or the server's own
+/// count where it gives one at the end).
+fn token_text(api: Api, line: &str, tokens: &mut u64) -> Option<String> {
+    let json = match api {
+        Api::Openai => line.strip_prefix("data: ").filter(|d| *d != "[DONE]")?,
+        Api::Ollama => line,
+    };
+    let value: serde_json::Value = serde_json::from_str(json).ok()?;
+    if let Some(n) = value["eval_count"]
+        .as_u64()
+        .or_else(|| value["timings"]["predicted_n"].as_u64())
+    {
+        *tokens = n;
+    }
+    let piece = match api {
+        Api::Openai => value["choices"][0]["delta"]["content"].as_str(),
+        Api::Ollama => value["message"]["content"].as_str(),
+    }?;
+    if !piece.is_empty() && value["eval_count"].is_null() && value["timings"].is_null() {
+        *tokens += 1;
+    }
+    Some(piece.to_owned())
+}
+
+/// Samples peak RSS of the server, peak GPU memory and energy while the run goes on.
+struct Meters {
+    stop: Arc<AtomicBool>,
+    peak_rss: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    rapl_before: Option<u64>,
+    nvml: Option<nvml_wrapper::Nvml>,
+    gpu_energy_before: Option<u64>,
+    peak_gpu: Arc<AtomicU64>,
+    started: Instant,
+}
+
+impl Meters {
+    fn start(pid: Option<i32>) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let peak_rss = Arc::new(AtomicU64::new(0));
+        let peak_gpu = Arc::new(AtomicU64::new(0));
+        let nvml = nvml_wrapper::Nvml::init().ok();
+        let gpu_energy_before = nvml.as_ref().and_then(gpu_energy_mj);
+        let thread = {
+            let (stop, peak_rss, peak_gpu) = (
+                Arc::clone(&stop),
+                Arc::clone(&peak_rss),
+                Arc::clone(&peak_gpu),
+            );
+            let nvml_sampler = nvml_wrapper::Nvml::init().ok();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if let Some(rss) = pid.and_then(rss_bytes) {
+                        peak_rss.fetch_max(rss, Ordering::Relaxed);
+                    }
+                    if let Some(used) = nvml_sampler.as_ref().and_then(gpu_memory_used) {
+                        peak_gpu.fetch_max(used, Ordering::Relaxed);
+                    }
+                    // A sampling period, not a wait for an event.
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            })
+        };
+        Self {
+            stop,
+            peak_rss,
+            thread: Some(thread),
+            rapl_before: rapl_uj(),
+            nvml,
+            gpu_energy_before,
+            peak_gpu,
+            started: Instant::now(),
+        }
+    }
+
+    /// (peak RSS, peak GPU memory, energy J, mean power W).
+    fn finish(mut self) -> (Maybe, Maybe, Maybe, Maybe) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        let seconds = self.started.elapsed().as_secs_f64();
+        let rss = self.peak_rss.load(Ordering::Relaxed);
+        let rss = if rss > 0 {
+            Maybe::Value(rss as f64)
+        } else {
+            Maybe::unavailable()
+        };
+        let gpu = match &self.nvml {
+            Some(_) => Maybe::Value(self.peak_gpu.load(Ordering::Relaxed) as f64),
+            None => Maybe::unavailable(),
+        };
+        let rapl = self
+            .rapl_before
+            .zip(rapl_uj())
+            .map(|(a, b)| b.saturating_sub(a) as f64 / 1e6);
+        let gpu_energy = self
+            .gpu_energy_before
+            .zip(self.nvml.as_ref().and_then(gpu_energy_mj))
+            .map(|(a, b)| b.saturating_sub(a) as f64 / 1e3);
+        let joules = match (rapl, gpu_energy) {
+            (None, None) => None,
+            (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
+        };
+        let energy = joules.map_or_else(Maybe::unavailable, Maybe::Value);
+        let power = joules.map_or_else(Maybe::unavailable, |j| Maybe::Value(j / seconds.max(1e-3)));
+        (rss, gpu, energy, power)
+    }
+}
+
+fn rss_bytes(pid: i32) -> Option<u64> {
+    let stat = procfs::process::Process::new(pid).ok()?.stat().ok()?;
+    Some(stat.rss * procfs::page_size())
+}
+
+/// CPU package energy from RAPL (all intel-rapl domains at the top level), in microjoules.
+fn rapl_uj() -> Option<u64> {
+    let dir = std::fs::read_dir("/sys/class/powercap").ok()?;
+    let mut total = None;
+    for entry in dir.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("intel-rapl:") && name.matches(':').count() == 1 {
+            let value: Option<u64> = std::fs::read_to_string(entry.path().join("energy_uj"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok();
+            total = Some(total.unwrap_or(0) + value?);
+        }
+    }
+    total
+}
+
+fn gpu_energy_mj(nvml: &nvml_wrapper::Nvml) -> Option<u64> {
+    let count = nvml.device_count().ok()?;
+    (0..count)
+        .map(|i| {
+            nvml.device_by_index(i)
+                .ok()?
+                .total_energy_consumption()
+                .ok()
+        })
+        .sum()
+}
+
+fn gpu_memory_used(nvml: &nvml_wrapper::Nvml) -> Option<u64> {
+    let count = nvml.device_count().ok()?;
+    (0..count)
+        .map(|i| Some(nvml.device_by_index(i).ok()?.memory_info().ok()?.used))
+        .sum()
+}
+
+/// Runs the plan and returns the entry (not yet appended).
+pub async fn run(plan: &Plan) -> Result<Entry, LogbookError> {
+    let (inputs, digest) = read_inputs(&plan.input)?;
+    // A fresh connection per request: servers may close a connection after a stream, and a
+    // reused dead one would fail the run.
+    let client: HttpClient = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(0)
+        .build_http();
+    let server_pid = plan.server_pid.or_else(|| {
+        let port = plan.url.parse::<http::Uri>().ok()?.port_u16()?;
+        crate::watch::host::listening_pid(port)
+    });
+    let (runtime_version, server_model) = describe_server(&client, plan).await;
+    let launch_flags = plan
+        .launch_flags
+        .clone()
+        .or_else(|| server_pid.and_then(command_line))
+        .unwrap_or_else(|| "unknown".to_owned());
+    let model_digest = model_digest(&client, plan, server_model.as_deref()).await;
+
+    let cold_start = cold_start(&client, plan, &inputs[0]).await?;
+    let progress = indicatif::ProgressBar::new((plan.repetitions * inputs.len()) as u64);
+    progress.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {elapsed_precise}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    progress.set_message("guard bench");
+    let meters = Meters::start(server_pid);
+    let (mut ttft, mut total, mut rate, mut queue) = (vec![], vec![], vec![], vec![]);
+    let (mut failures, mut abstentions, mut warm) = (0, 0, None);
+    for _ in 0..plan.repetitions {
+        let (mut t, mut c, mut r, mut q) = (vec![], vec![], vec![], vec![]);
+        for input in &inputs {
+            let sample = stream_once(&client, plan, input).await?;
+            warm.get_or_insert(sample.ttft);
+            let (failed, abstained) = judge(input, &sample.text);
+            failures += usize::from(failed);
+            abstentions += usize::from(abstained);
+            let decode = (sample.total - sample.ttft).as_secs_f64();
+            t.push(ms(sample.ttft));
+            c.push(ms(sample.total));
+            if decode > 0.0 && sample.tokens > 1 {
+                r.push((sample.tokens - 1) as f64 / decode);
+            }
+            q.push(sample.queue_ms);
+            progress.inc(1);
+        }
+        ttft.push(t);
+        total.push(c);
+        rate.push(r);
+        queue.push(q);
+    }
+    progress.finish_and_clear();
+    let (peak_rss, peak_gpu, energy, power) = meters.finish();
+    let now = SystemTime::now();
+    let recorded_at = humantime::format_rfc3339_seconds(now).to_string();
+    let id = format!(
+        "{:x}",
+        Sha256::digest(format!(
+            "{recorded_at}{}{}",
+            plan.command,
+            std::process::id()
+        ))
+    )[..12]
+        .to_owned();
+    Ok(Entry {
+        id,
+        recorded_at,
+        command: plan.command.clone(),
+        model: plan.model.clone(),
+        model_digest,
+        runtime: plan.runtime.clone(),
+        runtime_version: plan
+            .runtime_version
+            .clone()
+            .or(runtime_version)
+            .unwrap_or_else(|| "unknown".to_owned()),
+        launch_flags,
+        api: format!("{:?}", plan.api).to_lowercase(),
+        url: plan.url.clone(),
+        workload_class: plan.class.clone(),
+        input_set: InputSet {
+            path: plan.input.display().to_string(),
+            sha256: digest,
+            inputs: inputs.len(),
+        },
+        repetitions: plan.repetitions,
+        cold_start_ms: cold_start,
+        warm_start_ms: warm.map_or(0.0, ms),
+        ttft_samples_ms: ttft.iter().flatten().copied().collect(),
+        ttft_ms: Spread::of(&ttft),
+        completion_ms: Spread::of(&total),
+        decode_tokens_per_second: Spread::of(&rate),
+        queue_delay_ms: Spread::of(&queue),
+        peak_server_rss_bytes: peak_rss,
+        peak_gpu_memory_bytes: peak_gpu,
+        energy_joules: energy,
+        mean_power_watts: power,
+        quality_failures: failures,
+        abstentions,
+        decision: plan.decision.clone(),
+        owner: plan.owner.clone(),
+        retest_date: super::date_after(now, plan.retest_days),
+    })
+}
+
+fn ms(duration: Duration) -> f64 {
+    duration.as_secs_f64() * 1e3
+}
+
+/// The cold start: unload the model (Ollama: keep_alive 0) or restart the server, then time
+/// the first request's TTFT.
+async fn cold_start(
+    client: &HttpClient,
+    plan: &Plan,
+    input: &Input,
+) -> Result<Maybe, LogbookError> {
+    match (plan.api, &plan.restart) {
+        (_, Some(restart)) => {
+            let status = std::process::Command::new("sh")
+                .args(["-c", restart])
+                .status();
+            if !status.is_ok_and(|s| s.success()) {
+                return Err(LogbookError::Run(format!(
+                    "the restart command failed: {restart}"
+                )));
+            }
+            wait_ready(client, plan).await?;
+        }
+        (Api::Ollama, None) => {
+            let unload = serde_json::json!({ "model": plan.model, "keep_alive": 0 });
+            post_json(client, plan, "/api/generate", &unload).await?;
+        }
+        (Api::Openai, None) => return Ok(Maybe::unavailable()),
+    }
+    Ok(Maybe::Value(ms(stream_once(client, plan, input)
+        .await?
+        .ttft)))
+}
+
+async fn wait_ready(client: &HttpClient, plan: &Plan) -> Result<(), LogbookError> {
+    let started = Instant::now();
+    let health = match plan.api {
+        Api::Openai => "/health",
+        Api::Ollama => "/api/version",
+    };
+    while started.elapsed() < Duration::from_secs(120) {
+        if get_json(client, plan, health).await.is_some() {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(LogbookError::Run(
+        "the server did not come back after the restart command".to_owned(),
+    ))
+}
+
+async fn post_json(
+    client: &HttpClient,
+    plan: &Plan,
+    path: &str,
+    body: &serde_json::Value,
+) -> Result<serde_json::Value, LogbookError> {
+    let request = http::Request::post(format!("{}{path}", plan.url.trim_end_matches('/')))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| LogbookError::Run(e.to_string()))?;
+    let response = client
+        .request(request)
+        .await
+        .map_err(|e| LogbookError::Run(format!("{path}: {e}")))?;
+    let bytes = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| LogbookError::Run(e.to_string()))?
+        .to_bytes();
+    Ok(serde_json::from_slice(&bytes).unwrap_or_default())
+}
+
+async fn get_json(client: &HttpClient, plan: &Plan, path: &str) -> Option<serde_json::Value> {
+    let uri: http::Uri = format!("{}{path}", plan.url.trim_end_matches('/'))
+        .parse()
+        .ok()?;
+    let response = client.get(uri).await.ok()?;
+    if !response.status().is_success() {
+        return None;
+    }
+    let bytes = response.into_body().collect().await.ok()?.to_bytes();
+    serde_json::from_slice(&bytes).ok()
+}
+
+/// The server's version, and (llama-server) the model file it serves.
+async fn describe_server(client: &HttpClient, plan: &Plan) -> (Option<String>, Option<String>) {
+    match plan.api {
+        Api::Ollama => (
+            get_json(client, plan, "/api/version")
+                .await
+                .and_then(|v| v["version"].as_str().map(str::to_owned)),
+            None,
+        ),
+        Api::Openai => {
+            let props = get_json(client, plan, "/props").await.unwrap_or_default();
+            (
+                props["build_info"].as_str().map(str::to_owned),
+                props["model_path"].as_str().map(str::to_owned),
+            )
+        }
+    }
+}
+
+/// The model's digest: Ollama's own, or the sha256 of the model file.
+async fn model_digest(client: &HttpClient, plan: &Plan, server_model: Option<&str>) -> String {
+    if plan.api == Api::Ollama
+        && let Some(tags) = get_json(client, plan, "/api/tags").await
+        && let Some(digest) = tags["models"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|m| m["name"] == plan.model.as_str() || m["model"] == plan.model.as_str())
+            .and_then(|m| m["digest"].as_str())
+    {
+        return digest.to_owned();
+    }
+    let file = plan
+        .model_file
+        .clone()
+        .or_else(|| server_model.map(PathBuf::from));
+    file.and_then(|f| std::fs::read(f).ok()).map_or_else(
+        || "unknown".to_owned(),
+        |bytes| format!("sha256:{:x}", Sha256::digest(&bytes)),
+    )
+}
+
+/// The server's exact command line, from /proc.
+fn command_line(pid: i32) -> Option<String> {
+    let args = procfs::process::Process::new(pid).ok()?.cmdline().ok()?;
+    (!args.is_empty()).then(|| args.join(" "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input(expect: Option<&str>, keys: Option<&[&str]>) -> Input {
+        Input {
+            messages: serde_json::json!([]),
+            expect: expect.map(|e| regex::Regex::new(e).expect("regex")),
+            expect_keys: keys.map(|k| k.iter().map(|s| (*s).to_owned()).collect()),
+        }
+    }
+
+    #[test]
+    fn answers_are_judged_against_their_expectations() {
+        assert_eq!(
+            judge(&input(Some("(?i)paris"), None), "It is Paris."),
+            (false, false)
+        );
+        assert_eq!(
+            judge(&input(Some("(?i)paris"), None), "It is Rome."),
+            (true, false)
+        );
+        assert_eq!(
+            judge(&input(None, Some(&["name"])), "Here: {\"name\": \"Ada\"}"),
+            (false, false)
+        );
+        assert_eq!(
+            judge(&input(None, Some(&["name"])), "{\"title\": 1}"),
+            (true, false)
+        );
+        assert_eq!(judge(&input(None, None), "  "), (false, true));
+        assert_eq!(
+            judge(&input(None, None), "I'm sorry, I can't help."),
+            (false, true)
+        );
+    }
+
+    #[test]
+    fn stream_lines_give_text_and_tokens() {
+        let mut tokens = 0;
+        let line = "data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}";
+        assert_eq!(
+            token_text(Api::Openai, line, &mut tokens).as_deref(),
+            Some("Hi")
+        );
+        assert_eq!(token_text(Api::Openai, "data: [DONE]", &mut tokens), None);
+        assert_eq!(tokens, 1);
+        let last = "{\"message\":{\"content\":\"\"},\"done\":true,\"eval_count\":12}";
+        let _ = token_text(Api::Ollama, last, &mut tokens);
+        assert_eq!(tokens, 12, "the server's own count wins");
+    }
+
+    #[test]
+    fn the_input_set_is_read_and_hashed() {
+        let dir = std::env::temp_dir().join(format!("guard-inputs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("set.jsonl");
+        std::fs::write(&file, "{\"prompt\": \"a\", \"expect\": \"x\"}\n\n{\"messages\": [{\"role\":\"user\",\"content\":\"b\"}]}\n").expect("write");
+        let (inputs, digest) = read_inputs(&file).expect("read");
+        assert_eq!(inputs.len(), 2);
+        assert_eq!(digest.len(), 64);
+        std::fs::write(&file, "{\"text\": \"a\"}\n").expect("write");
+        let err = read_inputs(&file).expect_err("no prompt");
+        assert!(err.to_string().contains(":1:"), "{err}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

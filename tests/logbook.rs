@@ -1,0 +1,316 @@
+//! `guard bench` and `guard logbook` as a user runs them: a baseline against the real
+//! llama-server (every field recorded, a planted quality failure caught), the cold-start path
+//! against the Ollama emulator (Ollama cannot be installed here), and due, compare and report
+//! on fixture entries.
+
+use std::{path::Path, process::Command};
+
+use guard::logbook::{
+    Entry,
+    entry::{InputSet, Maybe, Spread},
+};
+use guard_tests::{
+    TempDir, guard_bin, serial,
+    servers::{LlamaServer, OllamaEmulator},
+};
+
+fn bench(args: &[&str], logbook: &Path) -> Entry {
+    let output = Command::new(guard_bin())
+        .arg("bench")
+        .args(args)
+        .args(["--owner", "tests", "--logbook"])
+        .arg(logbook)
+        .output()
+        .expect("guard bench");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let entries = guard::logbook::read(logbook).expect("read logbook");
+    entries.last().cloned().expect("an entry")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_baseline_against_llama_server_records_every_field() {
+    let _serial = serial().await;
+    let llama = LlamaServer::start(1).await;
+    let dir = TempDir::new("guard-logbook-llama");
+    let input = dir.0.join("set.jsonl");
+    std::fs::write(
+        &input,
+        "{\"prompt\": \"Say hello.\"}\n{\"prompt\": \"Count to three.\", \"expect\": \"^PLANTED-FAILURE$\"}\n",
+    )
+    .expect("write inputs");
+    let logbook = dir.0.join("logbook.jsonl");
+    let url = format!("http://{}", llama.addr);
+    let entry = bench(
+        &[
+            "--input",
+            input.to_str().expect("utf-8"),
+            "--url",
+            &url,
+            "--api",
+            "openai",
+            "--model",
+            "smollm2",
+            "--runtime",
+            "llama.cpp",
+            "--repeat",
+            "2",
+            "--max-tokens",
+            "16",
+        ],
+        &logbook,
+    );
+    assert_eq!(
+        entry.quality_failures, 2,
+        "the planted failure, caught in both runs"
+    );
+    assert_eq!(entry.repetitions, 2);
+    assert_eq!(entry.ttft_samples_ms.len(), 4);
+    assert!(
+        entry.launch_flags.contains("llama-server") && entry.launch_flags.contains("-np 1"),
+        "{}",
+        entry.launch_flags
+    );
+    assert!(
+        entry.model_digest.starts_with("sha256:"),
+        "{}",
+        entry.model_digest
+    );
+    assert_ne!(entry.runtime_version, "unknown");
+    assert_eq!(entry.input_set.inputs, 2);
+    assert_eq!(entry.input_set.sha256.len(), 64);
+    // The hash is of the file: the same set measured again carries the same hash.
+    let again = bench(
+        &[
+            "--input",
+            input.to_str().expect("utf-8"),
+            "--url",
+            &url,
+            "--api",
+            "openai",
+            "--model",
+            "smollm2",
+            "--runtime",
+            "llama.cpp",
+            "--repeat",
+            "1",
+            "--max-tokens",
+            "4",
+        ],
+        &logbook,
+    );
+    assert_eq!(again.input_set.sha256, entry.input_set.sha256);
+    assert!(entry.ttft_ms.p50 > 0.0 && entry.completion_ms.p95 >= entry.ttft_ms.p95);
+    assert!(entry.decode_tokens_per_second.p50 > 0.0);
+    assert!(
+        matches!(entry.peak_server_rss_bytes, Maybe::Value(rss) if rss > 1e7),
+        "{:?}",
+        entry.peak_server_rss_bytes
+    );
+    assert_eq!(
+        entry.cold_start_ms,
+        Maybe::unavailable(),
+        "no unload in this API and no --restart given"
+    );
+    assert_eq!(
+        entry.peak_gpu_memory_bytes,
+        Maybe::unavailable(),
+        "no GPU here"
+    );
+    assert_eq!(
+        entry.retest_date,
+        guard::logbook::date_after(std::time::SystemTime::now(), 30)
+    );
+    let line = std::fs::read_to_string(&logbook).expect("logbook");
+    for field in [
+        "command",
+        "model_digest",
+        "launch_flags",
+        "runtime_version",
+        "input_set",
+        "decision",
+        "owner",
+        "retest_date",
+        "energy_joules",
+        "mean_power_watts",
+        "abstentions",
+    ] {
+        assert!(
+            line.contains(&format!("\"{field}\"")),
+            "{field} missing: {line}"
+        );
+    }
+    assert!(
+        line.contains("\"energy_joules\":\"unavailable\""),
+        "no RAPL or NVML here: {line}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_ollama_cold_start_unloads_the_model_first() {
+    let _serial = serial().await;
+    let ollama =
+        OllamaEmulator::start(&["--load-ms", "400", "--tokens", "4", "--token-delay-ms", "5"]);
+    let dir = TempDir::new("guard-logbook-ollama");
+    let input = dir.0.join("set.jsonl");
+    std::fs::write(&input, "{\"prompt\": \"hi\"}\n").expect("write inputs");
+    let url = format!("http://{}", ollama.addr);
+    let entry = bench(
+        &[
+            "--input",
+            input.to_str().expect("utf-8"),
+            "--url",
+            &url,
+            "--api",
+            "ollama",
+            "--model",
+            "smollm2:135m",
+            "--runtime",
+            "ollama-emulator",
+            "--repeat",
+            "2",
+        ],
+        &dir.0.join("logbook.jsonl"),
+    );
+    let cold = entry.cold_start_ms.value().expect("a cold start");
+    assert!(cold >= 400.0, "cold start paid the load: {cold} ms");
+    assert!(
+        entry.warm_start_ms < 200.0,
+        "warm start: {} ms",
+        entry.warm_start_ms
+    );
+    assert_eq!(entry.runtime_version, "0.12.0", "from /api/version");
+    assert_ne!(entry.model_digest, "unknown", "from /api/tags");
+}
+
+fn fixture(
+    id: &str,
+    ttft_p50: f64,
+    runs: (f64, f64),
+    rate: f64,
+    failures: usize,
+    retest: &str,
+) -> Entry {
+    let spread = |p50: f64, range: (f64, f64)| Spread {
+        p50,
+        p95: p50 * 1.5,
+        run_p50_min: range.0,
+        run_p50_max: range.1,
+    };
+    Entry {
+        id: id.to_owned(),
+        recorded_at: "2026-11-01T10:00:00Z".to_owned(),
+        command: "guard bench ...".to_owned(),
+        model: "smollm2".to_owned(),
+        model_digest: "sha256:aa".to_owned(),
+        runtime: "llama.cpp".to_owned(),
+        runtime_version: "b1".to_owned(),
+        launch_flags: "llama-server -np 1".to_owned(),
+        api: "openai".to_owned(),
+        url: "http://127.0.0.1:11435".to_owned(),
+        workload_class: "batch".to_owned(),
+        input_set: InputSet {
+            path: "set.jsonl".to_owned(),
+            sha256: "ff".to_owned(),
+            inputs: 3,
+        },
+        repetitions: 3,
+        cold_start_ms: Maybe::Value(900.0),
+        warm_start_ms: 40.0,
+        ttft_ms: spread(ttft_p50, runs),
+        completion_ms: spread(ttft_p50 * 4.0, (ttft_p50 * 4.0, ttft_p50 * 4.0)),
+        decode_tokens_per_second: spread(rate, (rate, rate)),
+        queue_delay_ms: spread(0.0, (0.0, 0.0)),
+        peak_server_rss_bytes: Maybe::Value(2e8),
+        peak_gpu_memory_bytes: Maybe::unavailable(),
+        energy_joules: Maybe::unavailable(),
+        mean_power_watts: Maybe::unavailable(),
+        quality_failures: failures,
+        abstentions: 0,
+        ttft_samples_ms: vec![ttft_p50 * 0.8, ttft_p50, ttft_p50 * 1.5],
+        decision: "baseline".to_owned(),
+        owner: "ada".to_owned(),
+        retest_date: retest.to_owned(),
+    }
+}
+
+#[test]
+fn due_compare_and_report_on_fixture_entries() {
+    let dir = TempDir::new("guard-logbook-fixtures");
+    let logbook = dir.0.join("logbook.jsonl");
+    // B: TTFT within A's spread, faster decoding (a gain), one more quality failure (a cost).
+    guard::logbook::append(
+        &logbook,
+        &fixture("aaaa1111", 100.0, (90.0, 120.0), 100.0, 0, "2000-01-01"),
+    )
+    .expect("append");
+    guard::logbook::append(
+        &logbook,
+        &fixture("bbbb2222", 110.0, (100.0, 118.0), 150.0, 1, "2999-01-01"),
+    )
+    .expect("append");
+    let run = |args: &[&str]| {
+        let output = Command::new(guard_bin())
+            .arg("logbook")
+            .arg("--logbook")
+            .arg(&logbook)
+            .args(args)
+            .output()
+            .expect("guard logbook");
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+        )
+    };
+    let (code, list) = run(&["list"]);
+    assert_eq!(code, Some(0));
+    assert!(
+        list.contains("aaaa1111") && list.contains("DUE") && list.contains("bbbb2222"),
+        "{list}"
+    );
+    let (code, due) = run(&["due"]);
+    assert_eq!(code, Some(1), "a due retest fails `due`, for cron");
+    assert!(
+        due.contains("aaaa1111") && !due.contains("bbbb2222"),
+        "{due}"
+    );
+
+    let (code, compare) = run(&["compare", "aaaa", "bbbb"]);
+    assert_eq!(code, Some(0));
+    let line = |name: &str| {
+        compare
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("{name} in {compare}"))
+            .to_owned()
+    };
+    assert!(
+        line("TTFT p50 ms").ends_with("inside the runs' spread"),
+        "{compare}"
+    );
+    assert!(line("decode tokens/s p50").ends_with("gain"), "{compare}");
+    assert!(line("quality failures").ends_with("COST"), "{compare}");
+    assert!(
+        compare.contains("costs: ") && compare.contains("quality failures"),
+        "costs stand beside gains: {compare}"
+    );
+
+    let svg = dir.0.join("report.svg");
+    let (code, _) = run(&[
+        "report",
+        "aaaa",
+        "--compare",
+        "bbbb",
+        "--out",
+        svg.to_str().expect("utf-8"),
+    ]);
+    assert_eq!(code, Some(0));
+    let plot = std::fs::read_to_string(&svg).expect("svg");
+    assert!(
+        plot.starts_with("<svg") && plot.matches("<polyline").count() == 2,
+        "{plot}"
+    );
+}
