@@ -33,7 +33,10 @@ struct Scenario {
 
 fn main() {
     guard_tests::require_root();
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
     runtime.block_on(async {
         println!(
             "interactive chats through guard ({CHATS}, one at a time, deadline {DEADLINE_MS} ms) while a second llama-server extracts in the batch cgroup:"
@@ -51,12 +54,20 @@ fn main() {
 
 async fn run(scenario: &Scenario) {
     let state = TempDir::new("guard-bench-protect");
-    let parent = scenario.throttle.as_ref().map_or_else(cgroup2_root, |(p, _)| p.clone());
+    let parent = scenario
+        .throttle
+        .as_ref()
+        .map_or_else(cgroup2_root, |(p, _)| p.clone());
     let cgroup = TestCgroup::new(&parent, "guard-bench-batch");
     let throttle = scenario
         .throttle
         .as_ref()
-        .map(|(_, mode)| format!("cgroup = \"{}\"\nthrottle = \"{mode}\"\n", cgroup.path.display()))
+        .map(|(_, mode)| {
+            format!(
+                "cgroup = \"{}\"\nthrottle = \"{mode}\"\n",
+                cgroup.path.display()
+            )
+        })
         .unwrap_or_else(|| format!("cgroup = \"{}\"\n", cgroup.path.display()));
     let config = format!(
         "[risk]\nwait_fraction = 0.5\nttft_min_samples = 3\nhold_ms = 3000\nstate_dir = \"{}\"\n\
@@ -72,14 +83,16 @@ async fn run(scenario: &Scenario) {
     let extractor = {
         let stop = Arc::clone(&stop);
         tokio::spawn(async move {
-            let body = json!({ "prompt": "Extract the names: ...", "n_predict": 64, "ignore_eos": true });
+            let body =
+                json!({ "prompt": "Extract the names: ...", "n_predict": 64, "ignore_eos": true });
             while !stop.load(Ordering::Relaxed) {
                 post(batch_addr, "/completion", &[], &body).await;
             }
         })
     };
     // One chat first, so both servers are warm before anything is timed.
-    let warm = json!({ "messages": [{ "role": "user", "content": "Say hello." }], "max_tokens": 4 });
+    let warm =
+        json!({ "messages": [{ "role": "user", "content": "Say hello." }], "max_tokens": 4 });
     post(guard.listen, "/v1/chat/completions", &[], &warm).await;
     let tokens_before = batch_tokens(batch_addr).await;
     let started = Instant::now();
@@ -88,7 +101,11 @@ async fn run(scenario: &Scenario) {
         let body = json!({ "messages": [{ "role": "user", "content": "Say hello." }], "max_tokens": 8, "stream": true });
         let sent = Instant::now();
         let streamed = post_streamed(guard.listen, "/v1/chat/completions", &[], &body).await;
-        if let Some((at, _)) = streamed.frames.iter().find(|(_, d)| String::from_utf8_lossy(d).contains("\"content\":\"")) {
+        if let Some((at, _)) = streamed
+            .frames
+            .iter()
+            .find(|(_, d)| String::from_utf8_lossy(d).contains("\"content\":\""))
+        {
             ttft.push(at.duration_since(sent));
         }
         // Chats arrive about once a second, as a person types.
@@ -99,7 +116,11 @@ async fn run(scenario: &Scenario) {
     stop.store(true, Ordering::Relaxed);
     let tokens = batch_tokens(batch_addr).await - tokens_before;
     extractor.abort();
-    let episodes = guard.log_lines().iter().filter(|l| l.contains("at risk:")).count();
+    let episodes = guard
+        .log_lines()
+        .iter()
+        .filter(|l| l.contains("at risk:"))
+        .count();
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
         "{:<34} {:>7.0} ms {:>7.0} ms {:>14.0} {:>9}",
@@ -119,7 +140,16 @@ async fn batch_server(config: &Path, cgroup: &Path) -> (std::net::SocketAddr, Ch
     let child = Command::new(guard_bin())
         .args(["exec", "--config"])
         .arg(config)
-        .args(["--class", "batch", "--", &server, "-m", &model, "--host", "127.0.0.1"])
+        .args([
+            "--class",
+            "batch",
+            "--",
+            &server,
+            "-m",
+            &model,
+            "--host",
+            "127.0.0.1",
+        ])
         .args(["--port", &addr.port().to_string(), "-np", "1", "--metrics"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -128,15 +158,24 @@ async fn batch_server(config: &Path, cgroup: &Path) -> (std::net::SocketAddr, Ch
     let child = ChildGuard(child);
     let started = Instant::now();
     while !get(addr, "/health").await.is_ok_and(|r| r.status == 200) {
-        assert!(started.elapsed() < Duration::from_secs(60), "batch llama-server not ready");
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "batch llama-server not ready"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let procs = std::fs::read_to_string(cgroup.join("cgroup.procs")).unwrap_or_default();
-    assert!(procs.lines().any(|l| l == child.0.id().to_string()), "the batch server runs in the cgroup");
+    assert!(
+        procs.lines().any(|l| l == child.0.id().to_string()),
+        "the batch server runs in the cgroup"
+    );
     (addr, child)
 }
 
 async fn batch_tokens(addr: std::net::SocketAddr) -> f64 {
-    let text = get(addr, "/metrics").await.map(|r| r.text()).unwrap_or_default();
+    let text = get(addr, "/metrics")
+        .await
+        .map(|r| r.text())
+        .unwrap_or_default();
     guard_tests::metric(&text, "llamacpp:tokens_predicted_total").unwrap_or(0.0)
 }

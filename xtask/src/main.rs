@@ -3,6 +3,7 @@
 //! xtask never depends on guard itself: it must build on a fresh machine before `setup` has
 //! installed what guard's eBPF build needs.
 
+mod install;
 mod llama;
 mod setup;
 mod tasks;
@@ -29,6 +30,12 @@ enum Task {
     },
     /// Set up, then run guard in front of a real tiny model and show what it does.
     Demo,
+    /// Build the release binary and install it with its config and systemd unit.
+    Install {
+        /// Install under this directory instead of / (for packaging and tests).
+        #[arg(long)]
+        root: Option<std::path::PathBuf>,
+    },
     /// Benchmarks that print ratios measured side by side in one run.
     Bench {
         #[arg(value_enum)]
@@ -42,5 +49,6 @@ fn main() -> Result<()> {
         Task::Test { args } => tasks::test(&args),
         Task::Demo => tasks::demo(),
         Task::Bench { which } => tasks::bench(which),
+        Task::Install { root } => install::install(root.as_deref()),
     }
 }
