@@ -18,6 +18,10 @@ const READY_BOUND: Duration = Duration::from_secs(60);
 /// Sends SIGTERM, waits up to `grace`, then SIGKILLs (llama-server stalls on SIGTERM while a
 /// stream is open).
 fn stop(child: &mut Child, grace: Duration) -> Option<std::process::ExitStatus> {
+    // Already reaped: its pid may belong to another process by now.
+    if let Ok(Some(status)) = child.try_wait() {
+        return Some(status);
+    }
     let pid = nix::unistd::Pid::from_raw(child.id() as i32);
     let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
     let deadline = Instant::now() + grace;
