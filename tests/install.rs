@@ -1,0 +1,200 @@
+//! `cargo xtask install --root DIR` as a packager meets it: the binary, config and unit land
+//! under DIR, the installed binary runs and accepts the installed config, a second install keeps
+//! the admin's config, and the installed systemd unit passes `systemd-analyze verify` with the
+//! capabilities and hardening the deployment relies on.
+
+use std::{
+    os::unix::fs::PermissionsExt as _,
+    path::{Path, PathBuf},
+    process::{Command, Output},
+};
+
+use guard_tests::TempDir;
+
+const BINARY: &str = "usr/local/bin/guard";
+const CONFIG: &str = "etc/guard/guard.toml";
+const UNIT: &str = "etc/systemd/system/guard.service";
+const STATE_DIR: &str = "var/lib/guard";
+
+/// The capabilities the unit grants, no more: eBPF load, tracepoint attach, and reading the
+/// upstream's /proc/PID/fd (which needs both the ptrace check and the directory's permissions).
+const CAPABILITIES: [&str; 4] = [
+    "CAP_BPF",
+    "CAP_PERFMON",
+    "CAP_SYS_PTRACE",
+    "CAP_DAC_READ_SEARCH",
+];
+
+fn workspace() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
+/// `cargo xtask install --root ROOT`, which builds the release binary first; panics on failure.
+fn install_into(root: &Path) -> Output {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let output = Command::new(cargo)
+        .args(["xtask", "install", "--root"])
+        .arg(root)
+        .current_dir(workspace())
+        .output()
+        .expect("start cargo xtask install");
+    assert!(
+        output.status.success(),
+        "cargo xtask install --root {} failed ({}):\n{}",
+        root.display(),
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+fn run(command: &mut Command) -> Output {
+    command
+        .output()
+        .unwrap_or_else(|err| panic!("cannot start {command:?}: {err}"))
+}
+
+#[test]
+fn install_into_a_temporary_root() {
+    let tmp = TempDir::new("guard-install-root");
+    let root = &tmp.0;
+    let output = install_into(root);
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(log.contains("install: "), "no install: lines:\n{log}");
+
+    for path in [BINARY, CONFIG, UNIT] {
+        assert!(
+            root.join(path).is_file(),
+            "{path} was not installed:\n{log}"
+        );
+    }
+    assert!(root.join(STATE_DIR).is_dir(), "{STATE_DIR} missing");
+    let state_mode = std::fs::metadata(root.join(STATE_DIR))
+        .expect("stat the state dir")
+        .permissions()
+        .mode();
+    assert_eq!(state_mode & 0o777, 0o750, "state dir mode {state_mode:o}");
+
+    let binary = root.join(BINARY);
+    let mode = std::fs::metadata(&binary)
+        .expect("stat the binary")
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o755, "binary mode {mode:o}");
+    let version = run(Command::new(&binary).arg("--version"));
+    assert!(version.status.success(), "guard --version: {version:?}");
+    assert!(
+        String::from_utf8_lossy(&version.stdout).contains("guard"),
+        "guard --version printed {:?}",
+        String::from_utf8_lossy(&version.stdout)
+    );
+
+    let config = root.join(CONFIG);
+    let check = run(Command::new(&binary)
+        .arg("check-config")
+        .arg("--config")
+        .arg(&config));
+    assert!(
+        check.status.success(),
+        "the installed config does not check ({}):\n{}{}",
+        check.status,
+        String::from_utf8_lossy(&check.stdout),
+        String::from_utf8_lossy(&check.stderr)
+    );
+
+    // An admin's edit survives a second install.
+    let original = std::fs::read_to_string(&config).expect("read the installed config");
+    std::fs::write(&config, format!("# mine\n{original}")).expect("edit the installed config");
+    let again = install_into(root);
+    let kept = std::fs::read_to_string(&config).expect("read the config after reinstalling");
+    assert!(
+        kept.starts_with("# mine\n"),
+        "the second install overwrote the config:\n{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&again.stderr).contains("kept"),
+        "the second install did not say it kept the config:\n{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    assert!(root.join(BINARY).is_file() && root.join(UNIT).is_file());
+}
+
+/// The space-separated values of every `key=` line of a unit, in order.
+fn unit_values(unit: &str, key: &str) -> Vec<String> {
+    let prefix = format!("{key}=");
+    unit.lines()
+        .filter_map(|line| line.trim().strip_prefix(&prefix))
+        .flat_map(|value| value.split_whitespace().map(str::to_owned))
+        .collect()
+}
+
+#[test]
+fn the_systemd_unit_verifies() {
+    let tmp = TempDir::new("guard-install-unit");
+    let root = &tmp.0;
+    install_into(root);
+    let unit = std::fs::read_to_string(root.join(UNIT)).expect("read the installed unit");
+
+    // systemd-analyze verify checks that ExecStart's binary exists, and with --root it looks for
+    // the system's targets and /bin/kill under the root too. So verify a copy of the installed
+    // unit, named guard.service, whose ExecStart names the binary installed under the root.
+    let installed_binary = root.join(BINARY);
+    let copy_dir: PathBuf = root.join("verify");
+    std::fs::create_dir_all(&copy_dir).expect("create the verify dir");
+    let copy = copy_dir.join("guard.service");
+    std::fs::write(
+        &copy,
+        unit.replace(
+            "/usr/local/bin/guard",
+            installed_binary.to_str().expect("a UTF-8 temp path"),
+        ),
+    )
+    .expect("write the unit copy");
+
+    let verify = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&copy)
+        .output()
+        .expect("start systemd-analyze (package systemd)");
+    let stderr = String::from_utf8_lossy(&verify.stderr);
+    assert!(
+        verify.status.success(),
+        "systemd-analyze verify failed ({}):\n{stderr}",
+        verify.status
+    );
+    let about_unit: Vec<&str> = stderr
+        .lines()
+        .filter(|line| line.contains("guard.service"))
+        .collect();
+    assert!(
+        about_unit.is_empty(),
+        "systemd-analyze verify warns about the unit:\n{}",
+        about_unit.join("\n")
+    );
+
+    let mut expected: Vec<String> = CAPABILITIES.iter().map(|c| (*c).to_owned()).collect();
+    expected.sort();
+    for key in ["AmbientCapabilities", "CapabilityBoundingSet"] {
+        let mut granted = unit_values(&unit, key);
+        granted.sort();
+        assert_eq!(granted, expected, "{key}= grants other capabilities");
+    }
+    for (key, value) in [
+        ("NoNewPrivileges", "yes"),
+        ("ProtectSystem", "strict"),
+        ("ProtectHome", "yes"),
+        ("ProtectControlGroups", "no"),
+    ] {
+        assert_eq!(
+            unit_values(&unit, key),
+            [value],
+            "the unit must set {key}={value}"
+        );
+    }
+    assert!(
+        unit.lines()
+            .any(|line| line == "ExecStart=/usr/local/bin/guard run --config /etc/guard/guard.toml"),
+        "unexpected ExecStart"
+    );
+}
