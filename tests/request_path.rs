@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use guard_tests::{
     http::{self, post, post_streamed},
-    serial,
+    rss_bytes, serial,
     servers::{GuardProcess, LlamaServer},
 };
 use serde_json::{Value, json};
@@ -25,12 +25,11 @@ fn chat(max_tokens: u32, stream: bool) -> Value {
     })
 }
 
-/// Sends a /completion in `class` in the background; yields the response and when it ended.
-fn spawn_completion(
-    guard: &GuardProcess,
-    class: &str,
-    tokens: u32,
-) -> JoinHandle<(http::Response, Instant)> {
+/// A /completion in the background: its response and when it ended.
+type Completion = JoinHandle<(http::Response, Instant)>;
+
+/// Sends a /completion in `class` in the background.
+fn spawn_completion(guard: &GuardProcess, class: &str, tokens: u32) -> Completion {
     let (addr, class) = (guard.listen, class.to_owned());
     tokio::spawn(async move {
         let response = post(
@@ -42,6 +41,23 @@ fn spawn_completion(
         .await;
         (response, Instant::now())
     })
+}
+
+/// Fills the batch class (max_queue 2): one request of `tokens` running, two short ones
+/// waiting.
+async fn fill_batch(guard: &GuardProcess, tokens: u32) -> (Completion, Vec<Completion>) {
+    let running = spawn_completion(guard, "batch", tokens);
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    let queued = vec![
+        spawn_completion(guard, "batch", 4),
+        spawn_completion(guard, "batch", 4),
+    ];
+    guard
+        .wait_for_metric("guard_queue_depth{class=\"batch\"}", 2.0)
+        .await;
+    (running, queued)
 }
 
 const TWO_CLASSES: &str = "[class.interactive]\npriority = 0\nmax_queue = 4\n\
@@ -168,17 +184,7 @@ async fn a_full_class_gets_503_with_retry_after_and_others_still_pass() {
     let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
-    let running = spawn_completion(&guard, "batch", 200);
-    guard
-        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-        .await;
-    let queued = [
-        spawn_completion(&guard, "batch", 4),
-        spawn_completion(&guard, "batch", 4),
-    ];
-    guard
-        .wait_for_metric("guard_queue_depth{class=\"batch\"}", 2.0)
-        .await;
+    let (running, queued) = fill_batch(&guard, 200).await;
 
     let full = post(
         guard.listen,
@@ -317,17 +323,7 @@ async fn outcomes_reconcile_after_a_mixed_run() {
             200
         );
     }
-    let running = spawn_completion(&guard, "batch", 300);
-    guard
-        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-        .await;
-    let queued = [
-        spawn_completion(&guard, "batch", 4),
-        spawn_completion(&guard, "batch", 4),
-    ];
-    guard
-        .wait_for_metric("guard_queue_depth{class=\"batch\"}", 2.0)
-        .await;
+    let (running, queued) = fill_batch(&guard, 300).await;
     let rejected = post(
         guard.listen,
         "/completion",
@@ -379,17 +375,7 @@ async fn sighup_reloads_limits_and_a_bad_file_keeps_the_old_config() {
     let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let mut guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
-    let running = spawn_completion(&guard, "batch", 300);
-    guard
-        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-        .await;
-    let mut queued = vec![
-        spawn_completion(&guard, "batch", 4),
-        spawn_completion(&guard, "batch", 4),
-    ];
-    guard
-        .wait_for_metric("guard_queue_depth{class=\"batch\"}", 2.0)
-        .await;
+    let (running, mut queued) = fill_batch(&guard, 300).await;
     let full = post(
         guard.listen,
         "/completion",
@@ -490,17 +476,6 @@ async fn slow_headers_are_cut_off() {
         answer.is_empty() || answer.starts_with("HTTP/1.1 408"),
         "{answer}"
     );
-}
-
-/// Resident memory of a process, from /proc.
-fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .expect("VmRSS")
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -12,7 +12,7 @@ use std::{
 use guard_tests::{
     ChildGuard, TempDir, TestCgroup, cgroup2_root, guard_bin,
     http::{Leave, leave, post, raw_request},
-    require_root, serial,
+    process_cpu_seconds, require_root, serial,
     servers::{GuardProcess, OllamaEmulator},
 };
 use serde_json::json;
@@ -58,22 +58,10 @@ fn busy_in_class(config_path: &Path, cgroup: &Path) -> ChildGuard {
 
 /// CPU seconds `pid` used over a measurement interval.
 fn cpu_over(pid: u32, interval: Duration) -> f64 {
-    let read = || {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
-        let fields: Vec<&str> = stat
-            .rsplit_once(')')
-            .expect("comm")
-            .1
-            .split_whitespace()
-            .collect();
-        let ticks: f64 =
-            fields[11].parse::<f64>().expect("utime") + fields[12].parse::<f64>().expect("stime");
-        ticks / 100.0
-    };
-    let before = read();
+    let before = process_cpu_seconds(pid);
     // The interval is what is measured, not a wait for something to happen.
     std::thread::sleep(interval);
-    read() - before
+    process_cpu_seconds(pid) - before
 }
 
 /// Puts the interactive class at risk: a batch chat takes the only slot, an interactive chat

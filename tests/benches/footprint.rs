@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use guard_tests::{
     http::post,
+    process_cpu_seconds, rss_bytes,
     servers::{GuardProcess, OllamaEmulator},
 };
 use serde_json::json;
@@ -14,24 +15,9 @@ const REQUESTS: usize = 1_000;
 const CLIENTS: usize = 8;
 const IDLE_SECONDS: u64 = 20;
 
-/// (RSS bytes, CPU seconds) of a process, from /proc.
+/// (RSS bytes, CPU seconds) of a process.
 fn usage(pid: u32) -> (u64, f64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-    let rss_kb: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS");
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .expect("comm")
-        .1
-        .split_whitespace()
-        .collect();
-    let ticks: f64 =
-        fields[11].parse::<f64>().expect("utime") + fields[12].parse::<f64>().expect("stime");
-    (rss_kb * 1024, ticks / 100.0)
+    (rss_bytes(pid), process_cpu_seconds(pid))
 }
 
 fn main() {
