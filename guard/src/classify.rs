@@ -83,12 +83,6 @@ impl Classifier {
             rules,
         }
     }
-
-    /// Whether any rule needs the client's cgroup (a lookup worth avoiding otherwise).
-    pub fn needs_cgroup(&self) -> bool {
-        self.rules.iter().any(|r| r.cgroup_prefix.is_some())
-    }
-
     pub fn classify(&self, facts: &RequestFacts<'_>) -> Result<Decision, UnknownClass> {
         if let Some(header) = &self.header
             && let Some(value) = facts.headers.get(header)
@@ -283,7 +277,6 @@ mod tests {
             "[[classify.rule]]\nclass = \"batch\"\ncgroup_prefix = \"/guard/batch\"\npath_prefix = \"/nope\"\n\
              [[classify.rule]]\nclass = \"batch\"\ncgroup_prefix = \"/guard/batch\"\n",
         );
-        assert!(c.needs_cgroup());
         let headers = HeaderMap::new();
         let lookups = std::sync::atomic::AtomicUsize::new(0);
         let in_batch = || {

@@ -69,10 +69,6 @@ impl Upstream {
             }
         }
     }
-
-    pub fn authority(&self) -> &Authority {
-        &self.authority
-    }
 }
 
 /// Headers that describe one hop, not the message (RFC 9110 section 7.6.1).

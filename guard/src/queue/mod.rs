@@ -438,10 +438,6 @@ pub struct Ticket {
 }
 
 impl Ticket {
-    pub fn class(&self) -> &str {
-        &self.class
-    }
-
     /// Waits for this request's turn; past its deadline it leaves the queue with a rejection.
     pub async fn wait(mut self) -> Result<Permit, Rejection> {
         let Some(granted) = self.granted.as_mut() else {
@@ -543,10 +539,6 @@ impl Permit {
     /// Time from arrival to dispatch.
     pub fn waited(&self) -> Duration {
         self.waited
-    }
-
-    pub fn class(&self) -> &str {
-        &self.class
     }
 
     /// Frees the slot and teaches the estimator how long this request took.

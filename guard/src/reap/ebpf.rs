@@ -4,7 +4,7 @@
 use std::{
     net::{IpAddr, SocketAddr},
     path::Path,
-    sync::{Arc, Mutex},
+    sync::Arc,
 };
 
 use aya::{
@@ -77,7 +77,8 @@ pub struct ConnOwner {
 
 /// guard's attached eBPF program and its maps. Dropping it detaches everything.
 pub struct EbpfTracker {
-    watched: Mutex<HashMap<MapData, u16, u8>>,
+    /// Filled at attach; kept so the map lives as long as the tracker.
+    _watched: HashMap<MapData, u16, u8>,
     owners: HashMap<MapData, OwnerKey, Owner>,
     counters: PerCpuArray<MapData, u64>,
     tasks: Vec<JoinHandle<()>>,
@@ -127,7 +128,7 @@ impl EbpfTracker {
         let (sender, receiver) = mpsc::channel(CHANNEL_CAPACITY);
         tasks.push(tokio::spawn(read_events(register(ring)?, sender)));
         let tracker = Self {
-            watched: Mutex::new(watched),
+            _watched: watched,
             owners,
             counters,
             tasks,
@@ -135,31 +136,6 @@ impl EbpfTracker {
         };
         Ok((Arc::new(tracker), receiver))
     }
-
-    /// Starts sending events for connections on `port`.
-    pub fn watch_port(&self, port: u16) -> Result<(), EbpfError> {
-        self.watched
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(port, 1, 0)
-            .map_err(map_error("WATCHED_PORTS"))
-    }
-
-    /// Stops sending events for connections on `port`.
-    pub fn unwatch_port(&self, port: u16) -> Result<(), EbpfError> {
-        let mut watched = self
-            .watched
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match watched.remove(&port) {
-            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-            Err(source) => Err(EbpfError::Map {
-                name: "WATCHED_PORTS",
-                source,
-            }),
-        }
-    }
-
     /// Who opened the connection whose client end is `client` (a local process connecting to
     /// a watched port), where the kernel saw its `connect()`.
     pub fn owner(&self, client: SocketAddr) -> Option<ConnOwner> {

@@ -5,8 +5,6 @@ pub mod cgroup;
 pub mod risk;
 pub mod state;
 
-use std::path::Path;
-
 use crate::{config::Config, metrics::Metrics};
 use cgroup::Cgroup;
 use state::{Record, StateError};
@@ -61,11 +59,6 @@ impl Throttler {
             metrics: metrics.clone(),
         })
     }
-
-    pub fn is_empty(&self) -> bool {
-        self.targets.is_empty()
-    }
-
     /// Holds back every class whose priority is above `protect_priority`.
     pub fn throttle(&mut self, config: &Config) {
         for target in &mut self.targets {
@@ -108,13 +101,6 @@ impl Throttler {
                 Err(err) => tracing::error!(class = target.class, %err, "could not restore"),
             }
         }
-    }
-
-    /// The class cgroups, for `guard exec` and /status.
-    pub fn cgroups(&self) -> impl Iterator<Item = (&str, &Path, bool)> {
-        self.targets
-            .iter()
-            .map(|t| (t.class.as_str(), t.cgroup.path.as_path(), t.throttled))
     }
 }
 
