@@ -23,7 +23,7 @@ use guard_tests::{
 use serde_json::json;
 
 const CHATS: usize = 30;
-const DEADLINE_MS: u64 = 400;
+const DEADLINE_MS: u64 = 150;
 
 struct Scenario {
     name: &'static str,
