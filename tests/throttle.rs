@@ -1,6 +1,6 @@
 //! Holding batch work back on this machine's real cgroups: a real busy process in the batch
-//! cgroup (put there by `guard exec`), interactive requests put at risk behind a batch
-//! request, cgroup v2 freeze and v1 CPU quota, restore after the hold time, on SIGTERM and
+//! cgroup (put there by `guard exec`), interactive requests put at risk on the real
+//! llama-server behind a long batch generation, cgroup v2 freeze and v1 CPU quota, restore after the hold time, on SIGTERM and
 //! after SIGKILL on the next start, the lock between two guards, and bad cgroup configs.
 
 use std::{
@@ -13,17 +13,17 @@ use guard_tests::{
     ChildGuard, TempDir, TestCgroup, cgroup2_root, guard_bin,
     http::{Leave, leave, post, raw_request},
     process_cpu_seconds, require_root, serial,
-    servers::{GuardProcess, OllamaEmulator},
+    servers::{GuardProcess, LlamaServer},
 };
 use serde_json::json;
 
 /// Config for a batch class throttled by `mode` in `cgroup`, and an interactive class whose
-/// requests are at risk once they have waited 200 ms.
+/// requests are at risk once they have waited 200 ms (2 % of a 10 s deadline).
 fn config(cgroup: &Path, mode: &str, state_dir: &Path) -> String {
     format!(
-        "[estimate]\ninitial_service_ms = 100\n\
-         [risk]\nwait_fraction = 0.1\nhold_ms = 1000\nstate_dir = \"{}\"\n\
-         [class.interactive]\npriority = 0\nmax_queue = 8\ndeadline_ms = 2000\n\
+        "[server]\ndrain_grace_ms = 2000\n[estimate]\ninitial_service_ms = 100\n\
+         [risk]\nwait_fraction = 0.02\nhold_ms = 1000\nstate_dir = \"{}\"\n\
+         [class.interactive]\npriority = 0\nmax_queue = 8\ndeadline_ms = 10000\n\
          [class.batch]\npriority = 10\nmax_queue = 100\ncgroup = \"{}\"\nthrottle = \"{mode}\"\n",
         state_dir.display(),
         cgroup.display()
@@ -64,18 +64,18 @@ fn cpu_over(pid: u32, interval: Duration) -> f64 {
     process_cpu_seconds(pid) - before
 }
 
-/// Puts the interactive class at risk: a batch chat takes the only slot, an interactive chat
-/// waits behind it. Returns the batch client (leave it to lift the risk) and the waiter.
+/// Puts the interactive class at risk on the real llama-server: a long batch generation takes
+/// its only slot, an interactive chat waits behind it. Returns the batch client (leave it to
+/// lift the risk) and the waiting chat.
 async fn put_at_risk(
     guard: &GuardProcess,
 ) -> (tokio::net::TcpStream, tokio::task::JoinHandle<u16>) {
-    let chat =
-        json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }] });
+    let long = json!({ "prompt": "Write a long story.", "n_predict": 4000, "ignore_eos": true });
     let batch = raw_request(
         guard.listen,
-        "/api/chat",
+        "/completion",
         &[("x-guard-class", "batch")],
-        &chat,
+        &long,
     )
     .await;
     guard
@@ -83,9 +83,9 @@ async fn put_at_risk(
         .await;
     let addr = guard.listen;
     // A short answer, so that the estimate stays short and the next one is admitted too.
-    let short = json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }], "options": { "num_predict": 2 } });
+    let short = json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 2 });
     let interactive =
-        tokio::spawn(async move { post(addr, "/api/chat", &[], &short).await.status });
+        tokio::spawn(async move { post(addr, "/v1/chat/completions", &[], &short).await.status });
     guard
         .wait_for_metric("guard_at_risk{reason=\"wait\"}", 1.0)
         .await;
@@ -108,10 +108,10 @@ async fn cgroup_v2_freeze_holds_batch_and_lets_go_after_the_hold_time() {
     let _serial = serial().await;
     let state = TempDir::new("guard-throttle-v2");
     let cgroup = TestCgroup::new(&cgroup2_root(), "guard-test-batch-v2");
-    let ollama = OllamaEmulator::start(&["--tokens", "200", "--token-delay-ms", "50"]);
+    let llama = LlamaServer::start(1).await;
     let mut guard = GuardProcess::start(
-        ollama.addr,
-        "ollama",
+        llama.addr,
+        "openai",
         &config(&cgroup.path, "freeze", &state.0),
     );
     let busy = busy_in_class(&guard.config_path, &cgroup.path);
@@ -159,10 +159,10 @@ async fn cgroup_v1_cpu_quota_limits_batch_to_its_share() {
     let state = TempDir::new("guard-throttle-v1");
     let cgroup = TestCgroup::new(Path::new("/sys/fs/cgroup/cpu"), "guard-test-batch-v1");
     let original = read(cgroup.path.join("cpu.cfs_quota_us"));
-    let ollama = OllamaEmulator::start(&["--tokens", "200", "--token-delay-ms", "50"]);
+    let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(
-        ollama.addr,
-        "ollama",
+        llama.addr,
+        "openai",
         &config(&cgroup.path, "cpu:10", &state.0),
     );
     let busy = busy_in_class(&guard.config_path, &cgroup.path);
@@ -201,9 +201,9 @@ async fn sigkill_while_throttled_is_repaired_by_the_next_start() {
     let _serial = serial().await;
     let state = TempDir::new("guard-throttle-crash");
     let cgroup = TestCgroup::new(&cgroup2_root(), "guard-test-batch-crash");
-    let ollama = OllamaEmulator::start(&["--tokens", "200", "--token-delay-ms", "50"]);
+    let llama = LlamaServer::start(1).await;
     let extra = config(&cgroup.path, "freeze", &state.0);
-    let guard = GuardProcess::start(ollama.addr, "ollama", &extra);
+    let guard = GuardProcess::start(llama.addr, "openai", &extra);
     let _busy = busy_in_class(&guard.config_path, &cgroup.path);
     let (batch, _interactive) = put_at_risk(&guard).await;
     nix::sys::signal::kill(
@@ -228,7 +228,7 @@ async fn sigkill_while_throttled_is_repaired_by_the_next_start() {
     drop(batch);
     drop(guard);
 
-    let restarted = GuardProcess::start(ollama.addr, "ollama", &extra);
+    let restarted = GuardProcess::start(llama.addr, "openai", &extra);
     assert_eq!(
         read(cgroup.path.join("cgroup.freeze")),
         "0",
@@ -250,9 +250,9 @@ async fn two_guards_cannot_throttle_one_cgroup() {
     let _serial = serial().await;
     let state = TempDir::new("guard-throttle-lock");
     let cgroup = TestCgroup::new(&cgroup2_root(), "guard-test-batch-lock");
-    let ollama = OllamaEmulator::start(&[]);
+    let llama = LlamaServer::start(1).await;
     let extra = config(&cgroup.path, "freeze", &state.0);
-    let first = GuardProcess::start(ollama.addr, "ollama", &extra);
+    let first = GuardProcess::start(llama.addr, "openai", &extra);
     let second = Command::new(guard_bin())
         .args(["run", "--config"])
         .arg(&first.config_path)
@@ -291,14 +291,12 @@ fn unusable_cgroup_configs_are_refused_at_start() {
     for (path, mode, expected) in cases {
         let file = state.0.join("guard.toml");
         let (listen, metrics) = (guard_tests::free_addr(), guard_tests::free_addr());
-        std::fs::write(
-            &file,
-            format!(
-                "[metrics]\nlisten = \"{metrics}\"\n[server]\nlisten = \"{listen}\"\n{}",
-                config(&path, mode, &state.0)
-            ),
-        )
-        .expect("write");
+        let text = config(&path, mode, &state.0).replacen(
+            "[server]\n",
+            &format!("[server]\nlisten = \"{listen}\"\n"),
+            1,
+        );
+        std::fs::write(&file, format!("[metrics]\nlisten = \"{metrics}\"\n{text}")).expect("write");
         let output = Command::new(guard_bin())
             .args(["run", "--config"])
             .arg(&file)
