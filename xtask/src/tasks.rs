@@ -51,21 +51,27 @@ pub fn test(args: &[String]) -> Result<()> {
 /// The main job: SmolLM2 on llama-server behind guard, a mixed workload with and without
 /// guard side by side, then guard keeps serving until Ctrl-C.
 pub fn demo() -> Result<()> {
+    use std::os::unix::process::CommandExt as _;
     let installed = setup::all()?;
-    run(cargo().args(["build", "--release", "-p", "guard"])).context("the build failed")?;
-    let mut demo = cargo();
-    demo.args([
-        "run",
+    run(cargo().args([
+        "build",
         "--release",
-        "--quiet",
+        "-p",
+        "guard",
         "-p",
         "guard-tests",
         "--bin",
+        "guard",
+        "--bin",
         "demo",
-    ])
-    .env("GUARD_BIN", release_guard());
+    ]))
+    .context("the build failed")?;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut demo = Command::new(root.join("target/release/demo"));
+    demo.env("GUARD_BIN", release_guard());
     export(&mut demo, &installed);
-    run(&mut demo)
+    // Become the demo, so that Ctrl-C and SIGTERM reach it (and it stops what it started).
+    Err(demo.exec()).context("starting the demo")
 }
 
 pub fn bench(which: Bench) -> Result<()> {

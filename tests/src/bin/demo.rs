@@ -71,7 +71,12 @@ async fn serve_until_ctrl_c(guard: &GuardProcess, llama: SocketAddr) {
         guard.listen
     );
     println!("Ctrl-C stops guard and llama-server.");
-    let _ = tokio::signal::ctrl_c().await;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
 }
 
 fn ms(duration: Duration) -> f64 {
