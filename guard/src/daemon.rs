@@ -283,6 +283,17 @@ fn status_fn(
                 "ring_drops_total": metrics.ebpf_ring_drops_total.get(),
             },
             "classes": scheduler.snapshot(),
+            "risk": {
+                "signals": risk::REASONS
+                    .iter()
+                    .filter(|r| metrics.at_risk.with_label_values(&[r]).get() == 1)
+                    .collect::<Vec<_>>(),
+                "throttled_classes": config
+                    .class
+                    .keys()
+                    .filter(|c| metrics.class_throttled.with_label_values(&[c.as_str()]).get() == 1)
+                    .collect::<Vec<_>>(),
+            },
             "watch": watched.status(),
         })
     })

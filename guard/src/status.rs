@@ -78,19 +78,34 @@ pub fn render(status: &serde_json::Value) -> String {
         format!("off: {}", text(&ebpf["unavailable_reason"]))
     };
     line(&mut out, "ebpf", ebpf_state);
+    let list = |v: &serde_json::Value| {
+        let items: Vec<String> = v.as_array().into_iter().flatten().map(text).collect();
+        if items.is_empty() {
+            "none".to_owned()
+        } else {
+            items.join(", ")
+        }
+    };
+    line(&mut out, "at risk", list(&status["risk"]["signals"]));
+    line(
+        &mut out,
+        "throttled",
+        list(&status["risk"]["throttled_classes"]),
+    );
     out.push_str(&format!(
-        "\n{:<14} {:>8} {:>9} {:>11} {:>7} {:>8}\n",
-        "class", "priority", "max_queue", "deadline_ms", "queued", "inflight"
+        "\n{:<14} {:>8} {:>9} {:>11} {:>7} {:>8} {:>9}\n",
+        "class", "priority", "max_queue", "deadline_ms", "queued", "running", "wait_ms"
     ));
     for class in status["classes"].as_array().into_iter().flatten() {
         out.push_str(&format!(
-            "{:<14} {:>8} {:>9} {:>11} {:>7} {:>8}\n",
+            "{:<14} {:>8} {:>9} {:>11} {:>7} {:>8} {:>9}\n",
             text(&class["name"]),
             text(&class["priority"]),
             text(&class["max_queue"]),
             text(&class["deadline_ms"]),
             text(&class["queued"]),
-            text(&class["inflight"]),
+            text(&class["running"]),
+            text(&class["predicted_wait_ms"]),
         ));
     }
     out
