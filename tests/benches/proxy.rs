@@ -37,12 +37,26 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
+    // `cargo bench --bench proxy -- relay` runs one part; no argument runs them all.
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let wanted = |part: &str| only.is_empty() || only.iter().any(|o| o == part);
     runtime.block_on(async {
         let upstream = fake_upstream().await;
-        added_latency(upstream).await;
-        relay_throughput(upstream).await;
-        full_class_answer(upstream).await;
-        flood_ttft().await;
+        if wanted("latency") {
+            added_latency(upstream).await;
+        }
+        if wanted("relay") {
+            relay_throughput(upstream).await;
+        }
+        if wanted("full") {
+            full_class_answer(upstream).await;
+        }
+        if wanted("flood") {
+            flood_ttft().await;
+        }
     });
 }
 
