@@ -164,10 +164,17 @@ async fn the_real_openai_client_works_through_guard() {
     assert!(out["completion"].as_str().is_some_and(|s| !s.is_empty()));
     assert_eq!(out["unknown_class"]["status"], 400, "{out}");
     assert_eq!(out["unknown_class"]["code"], "unknown_class", "{out}");
+    guard
+        .wait_for_metric(
+            "guard_requests_total{class=\"interactive\",outcome=\"completed\"}",
+            4.0,
+        )
+        .await;
     assert_eq!(
         guard
-            .metric("guard_requests_total{class=\"interactive\",outcome=\"completed\"}")
+            .metric("guard_requests_total{class=\"interactive\",outcome=\"reaped\"}")
             .await,
-        4.0
+        0.0,
+        "a client that read everything was not reaped"
     );
 }

@@ -101,9 +101,20 @@ impl RelayBody {
 
 impl Drop for RelayBody {
     fn drop(&mut self) {
-        // A body that ended without being polled to None (empty, or known-length) completed;
-        // anything else dropped early is left to the record's own drop: reaped.
-        if self.record.is_some() && self.upstream.is_end_stream() {
+        if self.record.is_none() {
+            return;
+        }
+        // A body whose end had already arrived completed, even if hyper stopped polling it
+        // (a known length) or the client left right after the last data (an SSE client that
+        // closes after [DONE]). Anything else dropped early is left to the record: reaped.
+        let ended = self.upstream.is_end_stream() || {
+            let mut cx = Context::from_waker(std::task::Waker::noop());
+            matches!(
+                Pin::new(&mut self.upstream).poll_frame(&mut cx),
+                Poll::Ready(None)
+            )
+        };
+        if ended {
             let outcome = self.end_outcome();
             self.finish(outcome);
         }
