@@ -149,7 +149,8 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .restore();
-    // Dropping the tracker detaches the program and closes its maps.
+    // The program detaches when the last holder of the tracker lets go (the proxy holds one
+    // too); the process exit that follows closes it at the latest.
     ebpf.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .tracker

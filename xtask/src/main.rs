@@ -3,6 +3,7 @@
 //! xtask never depends on guard itself: it must build on a fresh machine before `setup` has
 //! installed what guard's eBPF build needs.
 
+mod gpu;
 mod install;
 mod llama;
 mod setup;
@@ -36,6 +37,8 @@ enum Task {
         #[arg(long)]
         root: Option<std::path::PathBuf>,
     },
+    /// Start the release guard briefly and print what its NVML (GPU) path reads.
+    GpuCheck,
     /// Benchmarks that print ratios measured side by side in one run.
     Bench {
         #[arg(value_enum)]
@@ -50,5 +53,6 @@ fn main() -> Result<()> {
         Task::Demo => tasks::demo(),
         Task::Bench { which } => tasks::bench(which),
         Task::Install { root } => install::install(root.as_deref()),
+        Task::GpuCheck => tasks::gpu_check(),
     }
 }

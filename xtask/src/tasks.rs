@@ -74,6 +74,13 @@ pub fn demo() -> Result<()> {
     Err(demo.exec()).context("starting the demo")
 }
 
+/// Builds the release binary (no setup: a GPU machine may lack the test servers) and checks
+/// its GPU readings.
+pub fn gpu_check() -> Result<()> {
+    run(cargo().args(["build", "--release", "-p", "guard"])).context("the build failed")?;
+    crate::gpu::check(&release_guard())
+}
+
 pub fn bench(which: Bench) -> Result<()> {
     require_root("the benchmarks load eBPF programs")?;
     let installed = setup::all()?;
