@@ -312,3 +312,34 @@ fn unusable_cgroup_configs_are_refused_at_start() {
         let _ = std::fs::remove_dir(&path);
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_changes_risk_thresholds() {
+    require_root();
+    let _serial = serial().await;
+    let state = TempDir::new("guard-throttle-reload");
+    let cgroup = TestCgroup::new(&cgroup2_root(), "guard-test-batch-reload");
+    let llama = LlamaServer::start(1).await;
+    // At first waiting never puts a protected request at risk: it would have to wait longer
+    // than its deadline, and it leaves the queue at the deadline.
+    let strict = config(&cgroup.path, "freeze", &state.0);
+    let lax = strict.replace("wait_fraction = 0.02", "wait_fraction = 1.0");
+    let mut guard = GuardProcess::start(llama.addr, "openai", &lax);
+    let contents = std::fs::read_to_string(&guard.config_path).expect("read config");
+    std::fs::write(
+        &guard.config_path,
+        contents.replace("wait_fraction = 1.0", "wait_fraction = 0.02"),
+    )
+    .expect("write config");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(guard.pid() as i32),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .expect("SIGHUP");
+    guard.wait_for_log("config reloaded");
+    // Now 200 ms of waiting is enough.
+    let (batch, interactive) = put_at_risk(&guard).await;
+    assert_eq!(read(cgroup.path.join("cgroup.freeze")), "1");
+    leave(batch, Leave::Fin);
+    assert_eq!(interactive.await.expect("interactive"), 200);
+}

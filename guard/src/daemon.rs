@@ -101,8 +101,9 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
         started,
     );
     let metrics_task = tokio::spawn(metrics::serve(metrics_listener, metrics.clone(), status));
+    let (configs, configs_seen) = watch::channel(config.clone());
     let risk_task = tokio::spawn(risk::run(
-        config.clone(),
+        configs_seen,
         Arc::clone(&scheduler),
         Arc::clone(&watched),
         metrics.clone(),
@@ -132,6 +133,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
             result = &mut stop_signal => { result?; break; }
             _ = hangup.recv() => {
                 config = reload(config, config_path.as_deref(), &proxy, &metrics, &half_close);
+                configs.send_replace(config.clone());
             }
         }
     }
@@ -205,6 +207,15 @@ fn start_ebpf(config: &Config, port: u16) -> (EbpfState, Option<mpsc::Receiver<C
     }
 }
 
+/// Each class's cgroup and throttle mode: set up (and locked) at start only.
+fn cgroups(config: &Config) -> Vec<(&String, Option<&std::path::PathBuf>, Option<String>)> {
+    config
+        .class
+        .iter()
+        .map(|(name, c)| (name, c.cgroup.as_ref(), c.throttle.map(|t| t.to_string())))
+        .collect()
+}
+
 /// SIGHUP: re-reads the config file; a bad one is refused and the running one kept.
 fn reload(
     current: Config,
@@ -227,6 +238,14 @@ fn reload(
                 ),
                 ("upstream.url", next.upstream.url != current.upstream.url),
                 ("ebpf.enabled", next.ebpf.enabled != current.ebpf.enabled),
+                (
+                    "class.*.cgroup / throttle",
+                    cgroups(&next) != cgroups(&current),
+                ),
+                (
+                    "risk.state_dir",
+                    next.risk.state_dir != current.risk.state_dir,
+                ),
             ] {
                 if changed {
                     tracing::warn!(key, "SIGHUP: this key takes effect at the next start only");

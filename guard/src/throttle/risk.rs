@@ -124,25 +124,36 @@ impl State {
     }
 }
 
-/// Runs the detector until the task is dropped.
+/// The protected classes and their deadlines.
+fn protected_classes(config: &Config) -> Vec<(String, Duration)> {
+    config
+        .class
+        .iter()
+        .filter(|(_, c)| c.priority <= config.risk.protect_priority)
+        .filter_map(|(name, c)| Some((name.clone(), Duration::from_millis(c.deadline_ms?))))
+        .collect()
+}
+
+/// Runs the detector until the task is dropped. A reloaded config (SIGHUP) changes its
+/// thresholds, hold time and protected classes from the next look on.
 pub async fn run(
-    config: Config,
+    mut configs: tokio::sync::watch::Receiver<Config>,
     scheduler: Arc<Scheduler>,
     watched: Arc<Watched>,
     metrics: Metrics,
     throttler: Arc<Mutex<Throttler>>,
 ) {
     let mut state = State::default();
-    let hold = Duration::from_millis(config.risk.hold_ms);
-    let protected: Vec<(String, Duration)> = config
-        .class
-        .iter()
-        .filter(|(_, c)| c.priority <= config.risk.protect_priority)
-        .filter_map(|(name, c)| Some((name.clone(), Duration::from_millis(c.deadline_ms?))))
-        .collect();
+    let mut config = configs.borrow_and_update().clone();
+    let mut protected = protected_classes(&config);
     let mut ticks = tokio::time::interval(TICK);
     loop {
         ticks.tick().await;
+        if configs.has_changed().unwrap_or(false) {
+            config = configs.borrow_and_update().clone();
+            protected = protected_classes(&config);
+        }
+        let hold = Duration::from_millis(config.risk.hold_ms);
         let signals = watched.signals();
         let waits = scheduler.wait_fractions();
         let inputs = Inputs {
