@@ -10,7 +10,11 @@ use std::{
 };
 
 use guard::reap::{ConnEvent, EbpfTracker, TcpState};
-use guard_tests::{ChildGuard, TestCgroup, cgroup2_root, collect_until, require_root};
+use guard_tests::{
+    ChildGuard, TestCgroup, cgroup2_root, collect_until,
+    http::{Leave, leave},
+    require_root,
+};
 
 fn listener(ip: &str) -> (TcpListener, SocketAddr) {
     let listener = TcpListener::bind(format!("{ip}:0")).expect("bind");
@@ -23,17 +27,6 @@ fn connect(listener: &TcpListener, server: SocketAddr) -> (TcpStream, TcpStream)
     let client = TcpStream::connect(server).expect("connect");
     let (accepted, _) = listener.accept().expect("accept");
     (client, accepted)
-}
-
-/// Closes with a reset instead of a FIN: SO_LINGER on with a zero timeout.
-fn reset(stream: TcpStream) {
-    let linger = libc::linger {
-        l_onoff: 1,
-        l_linger: 0,
-    };
-    nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::Linger, &linger)
-        .expect("SO_LINGER");
-    drop(stream);
 }
 
 fn is_change(
@@ -58,7 +51,7 @@ async fn close_is_reported(ip: &str, use_reset: bool) {
         TcpState::CloseWait
     };
     if use_reset {
-        reset(client);
+        leave(client, Leave::Reset);
     } else {
         drop(client);
     }

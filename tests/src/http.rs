@@ -186,7 +186,7 @@ pub async fn raw_request(
 }
 
 /// Leaves: closes the connection with a FIN or a reset; returns CLOCK_MONOTONIC right after.
-pub fn leave(stream: tokio::net::TcpStream, how: Leave) -> std::time::Duration {
+pub fn leave<S: std::os::fd::AsFd>(stream: S, how: Leave) -> std::time::Duration {
     if let Leave::Reset = how {
         let linger = libc::linger {
             l_onoff: 1,

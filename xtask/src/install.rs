@@ -9,7 +9,7 @@ use std::{
     process::Command,
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 
 /// Where the binary goes, relative to the root.
 const BINARY: &str = "usr/local/bin/guard";
@@ -58,13 +58,7 @@ fn build(workspace: &Path) -> Result<()> {
         .args(["build", "--release", "-p", "guard"])
         .current_dir(workspace);
     eprintln!("install: building: {command:?}");
-    let status = command
-        .status()
-        .with_context(|| format!("cannot start {command:?}"))?;
-    if !status.success() {
-        bail!("{command:?} exited with {status}");
-    }
-    Ok(())
+    crate::setup::run(&mut command)
 }
 
 /// The build's target directory: `CARGO_TARGET_DIR` (relative to the workspace) or `target`.
