@@ -3,7 +3,7 @@
 //! and no event lost among 10,000 connections.
 
 use std::{
-    collections::HashSet,
+    collections::HashMap,
     io::{BufRead as _, BufReader, Write as _},
     net::{SocketAddr, TcpListener, TcpStream},
     process::{Command, Stdio},
@@ -198,31 +198,36 @@ async fn ten_thousand_connections_lose_no_event() {
     const CONNECTIONS: usize = 10_000;
     let (listener, server) = listener("127.0.0.1");
     let (tracker, mut events) = EbpfTracker::attach(&[server.port()]).expect("attach");
+    // Loopback reuses a client port still in TIME_WAIT (net.ipv4.tcp_tw_reuse = 2), so one
+    // address can stand for several connections: compare counts per address, not sets.
     let opener = std::thread::spawn(move || {
-        let mut clients = HashSet::new();
+        let mut clients: HashMap<SocketAddr, usize> = HashMap::new();
         for _ in 0..CONNECTIONS {
             let (client, accepted) = connect(&listener, server);
-            clients.insert(client.local_addr().expect("addr"));
+            *clients
+                .entry(client.local_addr().expect("addr"))
+                .or_default() += 1;
             drop(client);
             drop(accepted);
         }
         clients
     });
-    let mut gone = HashSet::new();
+    let mut gone: HashMap<SocketAddr, usize> = HashMap::new();
+    let mut gone_total = 0;
     collect_until(&mut events, |seen: &[ConnEvent]| {
         if let Some(last) = seen.last()
             && last.is_client_gone(server.port())
         {
-            gone.insert(last.remote);
+            *gone.entry(last.remote).or_default() += 1;
+            gone_total += 1;
         }
-        gone.len() >= CONNECTIONS
+        gone_total >= CONNECTIONS
     })
     .await;
     let clients = opener.join().expect("opener thread");
-    assert_eq!(clients.len(), CONNECTIONS, "client ports were unique");
     assert_eq!(
         gone, clients,
-        "every close was reported, for the right client"
+        "every close was reported once, for the right client"
     );
     assert_eq!(tracker.ring_drops(), 0, "no ring-buffer drops");
     assert!(tracker.events_sent() >= CONNECTIONS as u64 * 2);

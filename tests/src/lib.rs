@@ -31,15 +31,22 @@ pub async fn collect_until<T: std::fmt::Debug>(
     mut done: impl FnMut(&[T]) -> bool,
 ) -> Vec<T> {
     let mut seen = Vec::new();
+    // `done` sees each new item once: callers may keep state in it.
     let collect = async {
-        while !done(&seen) {
-            match receiver.recv().await {
-                Some(item) => seen.push(item),
-                None => break,
-            }
+        let mut complete = done(&seen);
+        while !complete {
+            let Some(item) = receiver.recv().await else {
+                break;
+            };
+            seen.push(item);
+            complete = done(&seen);
         }
+        complete
     };
-    if tokio::time::timeout(DELIVERY_BOUND, collect).await.is_err() || !done(&seen) {
+    if !tokio::time::timeout(DELIVERY_BOUND, collect)
+        .await
+        .unwrap_or(false)
+    {
         let tail: Vec<_> = seen.iter().rev().take(10).collect();
         panic!(
             "not delivered within {DELIVERY_BOUND:?}: {} items arrived, last ones {tail:?}",

@@ -41,7 +41,7 @@ pub fn test(args: &[String]) -> Result<()> {
     run(cargo().args(["build", "--workspace", "--all-targets"])).context("the build failed")?;
     let mut test = Command::new("unshare");
     test.args(["--net", "--", "sh", "-c"])
-        .arg(r#"ip link set lo up && exec "$0" test --workspace --offline -- "$@""#)
+        .arg(r#"ip link set lo up && exec "$0" test --workspace --offline --no-fail-fast -- "$@""#)
         .arg(cargo_path())
         .args(args);
     export(&mut test, &installed);
