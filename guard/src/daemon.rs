@@ -51,6 +51,11 @@ struct EbpfState {
 /// Runs until SIGTERM or SIGINT; returns once everything is shut down and restored.
 pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), DaemonError> {
     let started = Instant::now();
+    // Installed before anything serves: a SIGTERM or SIGHUP that comes as soon as guard answers
+    // must not meet the default action, which kills guard before it restores any cgroup.
+    let mut terminate = signal(SignalKind::terminate()).map_err(DaemonError::Signal)?;
+    let mut interrupt = signal(SignalKind::interrupt()).map_err(DaemonError::Signal)?;
+    let mut hangup = signal(SignalKind::hangup()).map_err(DaemonError::Signal)?;
     raise_open_file_limit();
     let metrics = Metrics::new();
     for class in config.class.keys() {
@@ -125,12 +130,10 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
     );
 
     let mut config = config;
-    let mut hangup = signal(SignalKind::hangup()).map_err(DaemonError::Signal)?;
-    let stop_signal = wait_for_stop_signal();
-    tokio::pin!(stop_signal);
     loop {
         tokio::select! {
-            result = &mut stop_signal => { result?; break; }
+            _ = terminate.recv() => { tracing::info!("SIGTERM"); break; }
+            _ = interrupt.recv() => { tracing::info!("SIGINT"); break; }
             _ = hangup.recv() => {
                 config = reload(config, config_path.as_deref(), &proxy, &metrics, &half_close);
                 configs.send_replace(config.clone());
@@ -317,14 +320,4 @@ fn status_fn(
             "watch": watched.status(),
         })
     })
-}
-
-async fn wait_for_stop_signal() -> Result<(), DaemonError> {
-    let mut term = signal(SignalKind::terminate()).map_err(DaemonError::Signal)?;
-    let mut int = signal(SignalKind::interrupt()).map_err(DaemonError::Signal)?;
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM"),
-        _ = int.recv() => tracing::info!("SIGINT"),
-    }
-    Ok(())
 }

@@ -11,7 +11,7 @@ use std::{
 };
 
 use serde_json::json;
-use tokio::sync::Barrier;
+use tokio::{sync::Barrier, task::JoinSet};
 
 use crate::http::{post, post_streamed};
 
@@ -59,7 +59,8 @@ pub async fn run(target: SocketAddr, shape: Shape, flood: bool) -> Outcome {
     } else {
         1
     }));
-    let mut workers = Vec::new();
+    // A set, so that the flood ends with this run even when the run itself is dropped midway.
+    let mut workers = JoinSet::new();
     if flood {
         for _ in 0..shape.batch_clients {
             let (stop, completed, started) = (
@@ -67,7 +68,7 @@ pub async fn run(target: SocketAddr, shape: Shape, flood: bool) -> Outcome {
                 Arc::clone(&completed),
                 Arc::clone(&started),
             );
-            workers.push(tokio::spawn(async move {
+            workers.spawn(async move {
                 let body = json!({ "prompt": "Extract every name from this text: ...", "n_predict": shape.batch_tokens, "ignore_eos": true });
                 let mut first = true;
                 while !stop.load(Ordering::Relaxed) {
@@ -83,7 +84,7 @@ pub async fn run(target: SocketAddr, shape: Shape, flood: bool) -> Outcome {
                         count(&completed, &request.await);
                     }
                 }
-            }));
+            });
         }
     }
     started.wait().await;
@@ -115,9 +116,7 @@ pub async fn run(target: SocketAddr, shape: Shape, flood: bool) -> Outcome {
     }
     outcome.batch_completed = completed.load(Ordering::Relaxed) - completed_before;
     stop.store(true, Ordering::Relaxed);
-    for worker in workers {
-        worker.abort();
-    }
+    workers.abort_all();
     outcome
 }
 

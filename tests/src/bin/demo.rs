@@ -5,6 +5,8 @@
 
 use std::{net::SocketAddr, time::Duration};
 
+use tokio::signal::unix::{SignalKind, signal};
+
 use guard_tests::{
     servers::{GuardProcess, LlamaServer},
     workload::{self, Shape, percentile},
@@ -15,6 +17,20 @@ const CLASSES: &str = "[class.interactive]\npriority = 0\nmax_queue = 8\ndeadlin
 
 #[tokio::main]
 async fn main() {
+    // Installed before any server starts: Ctrl-C or SIGTERM at any point, the workload included,
+    // drops the demo and with it llama-server and guard.
+    let mut interrupt = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    let mut terminate = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        () = demo() => {}
+        _ = interrupt.recv() => {}
+        _ = terminate.recv() => {}
+    }
+    eprintln!("demo: stopping guard and llama-server");
+}
+
+/// Runs the workload, prints the table, then serves until it is dropped.
+async fn demo() {
     let shape = Shape::default();
     eprintln!("demo: starting llama-server (SmolLM2-135M, -np 1)");
     let llama = LlamaServer::start(1).await;
@@ -52,10 +68,11 @@ async fn main() {
         "guard holds the batch flood in its own queue and dispatches interactive work first;\n\
          llama-server alone serves requests in arrival order behind the flood."
     );
-    serve_until_ctrl_c(&guard, llama.addr).await;
+    print_where_guard_serves(&guard, llama.addr);
+    std::future::pending::<()>().await;
 }
 
-async fn serve_until_ctrl_c(guard: &GuardProcess, llama: SocketAddr) {
+fn print_where_guard_serves(guard: &GuardProcess, llama: SocketAddr) {
     println!();
     println!(
         "guard keeps serving: proxy http://{} -> llama-server http://{llama}",
@@ -71,12 +88,6 @@ async fn serve_until_ctrl_c(guard: &GuardProcess, llama: SocketAddr) {
         guard.listen
     );
     println!("Ctrl-C stops guard and llama-server.");
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
 }
 
 fn ms(duration: Duration) -> f64 {
