@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use guard_tests::{
     http::{self, post, post_streamed},
-    rss_bytes, serial,
+    metric, rss_bytes, serial,
     servers::{GuardProcess, LlamaServer},
 };
 use serde_json::{Value, json};
@@ -257,6 +257,28 @@ async fn streams_are_relayed_chunk_by_chunk() {
             .await,
         1.0
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_right_after_a_stream_is_answered() {
+    // llama-server shuts its side of a connection after each streamed response although it
+    // advertises keep-alive; the request guard sends next on that pooled connection must still
+    // be answered, not turned into a 502.
+    let _serial = serial().await;
+    let llama = LlamaServer::start(1).await;
+    let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
+    for round in 0..20 {
+        let streamed =
+            post_streamed(guard.listen, "/v1/chat/completions", &[], &chat(2, true)).await;
+        assert_eq!(streamed.status, 200, "round {round}");
+        let next = post(guard.listen, "/completion", &[], &completion(1)).await;
+        assert_eq!(next.status, 200, "round {round}: {}", next.text());
+    }
+    let text = guard.metrics_text().await;
+    for class in ["interactive", "batch"] {
+        let series = format!("guard_requests_total{{class=\"{class}\",outcome=\"failed\"}}");
+        assert_eq!(metric(&text, &series), Some(0.0), "{series}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

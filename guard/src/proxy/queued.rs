@@ -148,8 +148,7 @@ impl Proxy {
             metrics: self.metrics.clone(),
             tail: Vec::new(),
         });
-        let upstream_request = Request::from_parts(parts, full(bytes));
-        match self.upstream.send(upstream_request).await {
+        match self.upstream.send_buffered(&parts, bytes).await {
             Ok(response) => {
                 let failed = response.status().is_server_error();
                 let response = response
@@ -157,6 +156,7 @@ impl Proxy {
                 tag(response, &class, waited)
             }
             Err(err) => {
+                tracing::warn!(class = %class, error = %err, "upstream request failed");
                 record.finish(Outcome::Failed);
                 drop(permit);
                 tag(err.into_response(shape), &class, waited)

@@ -7,11 +7,11 @@ use http::{Request, Response, Uri, uri::Authority};
 use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 use hyper_util::{
-    client::legacy::{Client, connect::HttpConnector},
+    client::legacy::{Client, Error as ClientError, connect::HttpConnector},
     rt::TokioExecutor,
 };
 
-use super::error::ProxyError;
+use super::error::{ProxyError, full};
 use crate::config::{UpstreamConfig, upstream_authority};
 
 /// Any request or response body guard relays.
@@ -42,7 +42,43 @@ impl Upstream {
     }
 
     /// Sends `request` (its URI's path and query are kept) and waits for the response head.
-    pub async fn send(&self, mut request: Request<Body>) -> Result<Response<Incoming>, ProxyError> {
+    pub async fn send(&self, request: Request<Body>) -> Result<Response<Incoming>, ProxyError> {
+        let request = self.to_upstream(request)?;
+        self.exchange(request)
+            .await?
+            .map_err(|err| ProxyError::UpstreamUnreachable(error_chain(&err)))
+    }
+
+    /// Sends a request whose body is in memory. A pooled connection that the server closed just
+    /// as guard reused it fails before any answer: llama-server shuts its side after each
+    /// streamed response although it advertises keep-alive, and the request behind it meets
+    /// the closed socket. That request is sent once more, on another connection; the server
+    /// had stopped reading before it, so nothing is generated twice.
+    pub async fn send_buffered(
+        &self,
+        head: &http::request::Parts,
+        body: Bytes,
+    ) -> Result<Response<Incoming>, ProxyError> {
+        let request = || {
+            let mut request = Request::new(full(body.clone()));
+            *request.method_mut() = head.method.clone();
+            *request.uri_mut() = head.uri.clone();
+            *request.version_mut() = head.version;
+            *request.headers_mut() = head.headers.clone();
+            self.to_upstream(request)
+        };
+        match self.exchange(request()?).await? {
+            Err(err) if closed_before_answering(&err) => {
+                tracing::debug!(error = %error_chain(&err), "upstream closed a reused connection; sending again");
+                self.exchange(request()?).await?
+            }
+            result => result,
+        }
+        .map_err(|err| ProxyError::UpstreamUnreachable(error_chain(&err)))
+    }
+
+    /// Points `request` at the upstream and removes what belongs to the client's hop.
+    fn to_upstream(&self, mut request: Request<Body>) -> Result<Request<Body>, ProxyError> {
         let path = request
             .uri()
             .path_and_query()
@@ -60,15 +96,30 @@ impl Upstream {
             http::HeaderValue::from_str(self.authority.as_str())
                 .map_err(|err| ProxyError::BadRequest(err.to_string()))?,
         );
+        Ok(request)
+    }
+
+    /// One exchange up to the response head; the outer error is the response timeout.
+    async fn exchange(
+        &self,
+        request: Request<Body>,
+    ) -> Result<Result<Response<Incoming>, ClientError>, ProxyError> {
         match tokio::time::timeout(self.response_timeout, self.client.request(request)).await {
             Err(_) => Err(ProxyError::UpstreamTimeout(self.response_timeout)),
-            Ok(Err(err)) => Err(ProxyError::UpstreamUnreachable(error_chain(&err))),
-            Ok(Ok(mut response)) => {
+            Ok(result) => Ok(result.map(|mut response| {
                 strip_hop_by_hop(response.headers_mut());
-                Ok(response)
-            }
+                response
+            })),
         }
     }
+}
+
+/// Whether the connection closed before any of the answer came: the mark of a pooled
+/// keep-alive connection the server had already given up.
+fn closed_before_answering(err: &ClientError) -> bool {
+    std::error::Error::source(err)
+        .and_then(|source| source.downcast_ref::<hyper::Error>())
+        .is_some_and(hyper::Error::is_incomplete_message)
 }
 
 /// Headers that describe one hop, not the message (RFC 9110 section 7.6.1).
@@ -98,4 +149,100 @@ fn error_chain(err: &dyn std::error::Error) -> String {
         source = cause.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use http_body_util::BodyExt as _;
+    use tokio::{
+        io::{AsyncReadExt as _, AsyncWriteExt as _},
+        net::{TcpListener, TcpStream},
+    };
+
+    use super::*;
+    use crate::config::UpstreamConfig;
+
+    /// Reads one request head and its body (the tests send bodies with a Content-Length).
+    async fn read_request(stream: &mut TcpStream) -> bool {
+        let mut seen = Vec::new();
+        let mut buffer = [0u8; 1024];
+        loop {
+            if let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&seen[..end]).to_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|line| line.strip_prefix("content-length:"))
+                    .map_or(0, |value| value.trim().parse().expect("length"));
+                if seen.len() >= end + 4 + length {
+                    return true;
+                }
+            }
+            match stream.read(&mut buffer).await {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => seen.extend_from_slice(&buffer[..n]),
+            }
+        }
+    }
+
+    /// A server like llama-server after a stream: it answers one request per connection with
+    /// keep-alive headers, then reads the next request and closes without answering.
+    async fn one_answer_per_connection() -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        tokio::spawn(async move {
+            loop {
+                let (mut stream, _) = listener.accept().await.expect("accept");
+                tokio::spawn(async move {
+                    if read_request(&mut stream).await {
+                        let answer = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nKeep-Alive: timeout=5, max=100\r\n\r\nok";
+                        stream.write_all(answer.as_bytes()).await.expect("answer");
+                    }
+                    read_request(&mut stream).await;
+                });
+            }
+        });
+        url
+    }
+
+    #[tokio::test]
+    async fn a_buffered_request_is_sent_again_when_a_reused_connection_was_closed() {
+        let upstream = Upstream::new(&UpstreamConfig {
+            url: one_answer_per_connection().await,
+            ..UpstreamConfig::default()
+        })
+        .expect("upstream");
+        let (head, ()) = Request::post("/completion")
+            .body(())
+            .expect("request")
+            .into_parts();
+        for round in 0..3 {
+            let response = upstream
+                .send_buffered(&head, Bytes::from_static(b"{\"prompt\":\"hi\"}"))
+                .await
+                .unwrap_or_else(|err| panic!("round {round}: {err}"));
+            let body = response.into_body().collect().await.expect("body");
+            assert_eq!(body.to_bytes(), "ok", "round {round}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_streamed_request_is_not_sent_again() {
+        let upstream = Upstream::new(&UpstreamConfig {
+            url: one_answer_per_connection().await,
+            ..UpstreamConfig::default()
+        })
+        .expect("upstream");
+        let request = || {
+            Request::post("/completion")
+                .body(full("{}"))
+                .expect("request")
+        };
+        let first = upstream.send(request()).await.expect("first answer");
+        first.into_body().collect().await.expect("body");
+        let second = upstream.send(request()).await;
+        assert!(
+            matches!(second, Err(ProxyError::UpstreamUnreachable(_))),
+            "a body that may be gone is never replayed: {second:?}"
+        );
+    }
 }

@@ -12,7 +12,7 @@ use prometheus::{GaugeVec, IntGauge, Opts};
 use crate::{
     config::{Api, Config},
     metrics::Metrics,
-    proxy::{Upstream, error::full},
+    proxy::Upstream,
 };
 
 /// Models served from elsewhere, as far as guard has learnt (a privacy boundary).
@@ -228,12 +228,13 @@ impl UpstreamWatcher {
         body: Option<serde_json::Value>,
     ) -> Option<String> {
         let body = body.map_or(Bytes::new(), |b| Bytes::from(b.to_string()));
-        let request = Request::builder()
+        let (head, ()) = Request::builder()
             .method(method)
             .uri(path)
-            .body(full(body))
-            .ok()?;
-        let response = self.upstream.send(request).await.ok()?;
+            .body(())
+            .ok()?
+            .into_parts();
+        let response = self.upstream.send_buffered(&head, body).await.ok()?;
         if !response.status().is_success() {
             return None;
         }
