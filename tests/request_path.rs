@@ -267,11 +267,18 @@ async fn a_request_right_after_a_stream_is_answered() {
     let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
-    for round in 0..20 {
+    for round in 0..40 {
         let streamed =
             post_streamed(guard.listen, "/v1/chat/completions", &[], &chat(2, true)).await;
         assert_eq!(streamed.status, 200, "round {round}");
-        let next = post(guard.listen, "/completion", &[], &completion(1)).await;
+        // Queued and passed-through requests alike.
+        let next = if round % 2 == 0 {
+            post(guard.listen, "/completion", &[], &completion(1)).await
+        } else {
+            http::get(guard.listen, "/v1/models")
+                .await
+                .expect("GET /v1/models")
+        };
         assert_eq!(next.status, 200, "round {round}: {}", next.text());
     }
     let text = guard.metrics_text().await;

@@ -17,9 +17,14 @@ use std::{
     time::Duration,
 };
 
+use bytes::Bytes;
 use http::{Method, Request, Response};
 use http_body_util::BodyExt as _;
-use hyper::{body::Incoming, server::conn::http1, service::service_fn};
+use hyper::{
+    body::{Body as _, Incoming},
+    server::conn::http1,
+    service::service_fn,
+};
 use hyper_util::{
     rt::{TokioIo, TokioTimer},
     server::graceful::GracefulShutdown,
@@ -131,8 +136,14 @@ impl Proxy {
             return self.queued(request, connection, &settings).await;
         }
         let shape = error_shape(request.uri().path(), settings.api);
-        let request = request.map(|body| body.boxed());
-        let response = match self.upstream.send(request).await {
+        // A request without a body (GET /api/tags, /v1/models) can be sent again safely.
+        let sent = if request.body().is_end_stream() {
+            let (head, _) = request.into_parts();
+            self.upstream.send_buffered(&head, Bytes::new()).await
+        } else {
+            self.upstream.send(request.map(|body| body.boxed())).await
+        };
+        let response = match sent {
             Ok(response) => response.map(|body| body.boxed()),
             Err(err) => err.into_response(shape),
         };
