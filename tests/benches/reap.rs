@@ -42,8 +42,11 @@ fn main() {
 }
 
 /// Queues one request at a time behind a running one, closes its client, and times the drop
-/// from guard's debug log (CLOCK_MONOTONIC, the same clock here).
+/// from guard's debug log (CLOCK_MONOTONIC, the same clock here). Each client first sends the
+/// start of a pipelined request: hyper then stops watching for the close itself, so what is
+/// timed is guard's own detector alone, the kernel event or the user-space watcher.
 async fn reap_latency(ebpf: bool) -> Vec<Duration> {
+    use tokio::io::AsyncWriteExt as _;
     let ollama = OllamaEmulator::start(&["--tokens", "100000", "--token-delay-ms", "50"]);
     let extra = if ebpf {
         CLASSES.to_owned()
@@ -65,13 +68,17 @@ async fn reap_latency(ebpf: bool) -> Vec<Duration> {
         .await;
     let mut samples = Vec::with_capacity(SAMPLES);
     for i in 0..SAMPLES {
-        let client = raw_request(
+        let mut client = raw_request(
             guard.listen,
             "/api/chat",
             &[("x-guard-class", "batch")],
             &chat,
         )
         .await;
+        client
+            .write_all(b"GET /api/tags HTTP/1.1\r\n")
+            .await
+            .expect("pipelined");
         let peer = client.local_addr().expect("addr");
         guard
             .wait_for_metric("guard_admitted_total{class=\"batch\"}", (i + 2) as f64)

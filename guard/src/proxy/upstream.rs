@@ -52,8 +52,9 @@ impl Upstream {
     /// Sends a request whose body is in memory. A pooled connection that the server closed just
     /// as guard reused it fails before any answer: llama-server shuts its side after each
     /// streamed response although it advertises keep-alive, and the request behind it meets
-    /// the closed socket. That request is sent once more, on another connection; the server
-    /// had stopped reading before it, so nothing is generated twice.
+    /// the closed socket. That request is sent once more, on another connection: a server that
+    /// closes a connection without answering has not run what it read there, so nothing is
+    /// generated twice.
     pub async fn send_buffered(
         &self,
         head: &http::request::Parts,
