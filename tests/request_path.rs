@@ -223,7 +223,11 @@ async fn streams_are_relayed_chunk_by_chunk() {
     let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
-    let streamed = post_streamed(guard.listen, "/v1/chat/completions", &[], &chat(48, true)).await;
+    // All 48 tokens (llama-server's ignore_eos): a reply the model ends after a few tokens
+    // would leave too few frames to tell streaming from buffering.
+    let mut body = chat(48, true);
+    body["ignore_eos"] = json!(true);
+    let streamed = post_streamed(guard.listen, "/v1/chat/completions", &[], &body).await;
     assert_eq!(streamed.status, 200);
     assert_eq!(
         streamed.headers.get("x-guard-class").map(|v| v.as_bytes()),

@@ -20,32 +20,39 @@ fn main() {
         .build()
         .expect("runtime");
     runtime.block_on(async {
-        let ebpf = reap_latency(true).await;
-        let user = reap_latency(false).await;
         let us = |d: Duration| d.as_secs_f64() * 1e6;
         println!("1. reap latency, client close() returned -> request dropped in guard, {SAMPLES} queued requests each:");
-        for (name, samples) in [("eBPF", &ebpf), ("user space", &user)] {
-            println!(
-                "   {name:<10} p50 {:>7.0} us, p99 {:>7.0} us, max {:>7.0} us",
-                us(percentile(samples, 0.5)),
-                us(percentile(samples, 0.99)),
-                us(percentile(samples, 1.0))
-            );
+        println!("   (a plain close races hyper's own end-of-stream check against guard's detector; behind");
+        println!("   the start of a pipelined request hyper stops checking, so guard's detector works alone)");
+        let mut p99 = Vec::new();
+        for ebpf in [true, false] {
+            for pipelined in [false, true] {
+                let samples = reap_latency(ebpf, pipelined).await;
+                println!(
+                    "   {:<10} {:<26} p50 {:>7.0} us, p99 {:>7.0} us, max {:>7.0} us",
+                    if ebpf { "eBPF" } else { "user space" },
+                    if pipelined { "behind pipelined bytes" } else { "plain close" },
+                    us(percentile(&samples, 0.5)),
+                    us(percentile(&samples, 0.99)),
+                    us(percentile(&samples, 1.0))
+                );
+                p99.push(percentile(&samples, 0.99));
+            }
         }
+        let ebpf_worst = p99[0].max(p99[1]);
         println!(
-            "   eBPF p99 target <= 5000 us: {}; eBPF p99 / user-space p99 = {:.2}",
-            if percentile(&ebpf, 0.99) <= Duration::from_millis(5) { "met" } else { "missed" },
-            percentile(&ebpf, 0.99).as_secs_f64() / percentile(&user, 0.99).as_secs_f64()
+            "   eBPF p99 target <= 5000 us: {}; behind pipelined bytes, eBPF p99 / user-space p99 = {:.3}",
+            if ebpf_worst <= Duration::from_millis(5) { "met" } else { "missed" },
+            p99[1].as_secs_f64() / p99[3].as_secs_f64()
         );
         wasted_tokens().await;
     });
 }
 
 /// Queues one request at a time behind a running one, closes its client, and times the drop
-/// from guard's debug log (CLOCK_MONOTONIC, the same clock here). Each client first sends the
-/// start of a pipelined request: hyper then stops watching for the close itself, so what is
-/// timed is guard's own detector alone, the kernel event or the user-space watcher.
-async fn reap_latency(ebpf: bool) -> Vec<Duration> {
+/// from guard's debug log (CLOCK_MONOTONIC, the same clock here). With `pipelined`, each client
+/// first sends the start of a second request: hyper then stops watching for the close itself.
+async fn reap_latency(ebpf: bool, pipelined: bool) -> Vec<Duration> {
     use tokio::io::AsyncWriteExt as _;
     let ollama = OllamaEmulator::start(&["--tokens", "100000", "--token-delay-ms", "50"]);
     let extra = if ebpf {
@@ -75,10 +82,12 @@ async fn reap_latency(ebpf: bool) -> Vec<Duration> {
             &chat,
         )
         .await;
-        client
-            .write_all(b"GET /api/tags HTTP/1.1\r\n")
-            .await
-            .expect("pipelined");
+        if pipelined {
+            client
+                .write_all(b"GET /api/tags HTTP/1.1\r\n")
+                .await
+                .expect("pipelined");
+        }
         let peer = client.local_addr().expect("addr");
         guard
             .wait_for_metric("guard_admitted_total{class=\"batch\"}", (i + 2) as f64)

@@ -38,15 +38,17 @@ def run_openai(base):
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
     out = {}
     messages = [{"role": "user", "content": "Say hello."}]
-    reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16)
+    # llama-server's ignore_eos: the tiny model may otherwise end a reply before any text.
+    full = {"ignore_eos": True}
+    reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, extra_body=full)
     out["chat"] = reply.choices[0].message.content
     raw = client.chat.completions.with_raw_response.create(model="smollm2", messages=messages, max_tokens=4)
     out["class_header"] = raw.headers.get("x-guard-class")
-    stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, stream=True)
+    stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, stream=True, extra_body=full)
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
     out["chat_stream_chunks"] = len(pieces)
     out["chat_stream_text"] = "".join(pieces)
-    out["completion"] = client.completions.create(model="smollm2", prompt="Once upon", max_tokens=8).choices[0].text
+    out["completion"] = client.completions.create(model="smollm2", prompt="Once upon", max_tokens=8, extra_body=full).choices[0].text
     vip = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, default_headers={"x-guard-class": "vip"})
     try:
         vip.chat.completions.create(model="smollm2", messages=messages, max_tokens=4)
