@@ -499,8 +499,10 @@ async fn slow_headers_are_cut_off() {
     let _ = reader.read_to_end(&mut buffer).await;
     let elapsed = started.elapsed();
     trickle.abort();
+    // guard's clock may start a little before ours (its accept can run before our connect()
+    // returns to this task), so allow some of the 500 ms to have passed already.
     assert!(
-        elapsed >= Duration::from_millis(500),
+        elapsed >= Duration::from_millis(400),
         "closed too early: {elapsed:?}"
     );
     assert!(elapsed < Duration::from_secs(5), "not cut off: {elapsed:?}");
