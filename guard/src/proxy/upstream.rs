@@ -205,13 +205,17 @@ mod tests {
         url
     }
 
-    #[tokio::test]
-    async fn a_buffered_request_is_sent_again_when_a_reused_connection_was_closed() {
-        let upstream = Upstream::new(&UpstreamConfig {
+    async fn upstream_that_answers_once_per_connection() -> Upstream {
+        Upstream::new(&UpstreamConfig {
             url: one_answer_per_connection().await,
             ..UpstreamConfig::default()
         })
-        .expect("upstream");
+        .expect("upstream")
+    }
+
+    #[tokio::test]
+    async fn a_buffered_request_is_sent_again_when_a_reused_connection_was_closed() {
+        let upstream = upstream_that_answers_once_per_connection().await;
         let (head, ()) = Request::post("/completion")
             .body(())
             .expect("request")
@@ -228,11 +232,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_streamed_request_is_not_sent_again() {
-        let upstream = Upstream::new(&UpstreamConfig {
-            url: one_answer_per_connection().await,
-            ..UpstreamConfig::default()
-        })
-        .expect("upstream");
+        let upstream = upstream_that_answers_once_per_connection().await;
         let request = || {
             Request::post("/completion")
                 .body(full("{}"))
