@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use guard_tests::{
-    http::{Leave, leave, post, raw_request},
+    http::{Leave, leave, post, raw_request, start_pipelined_request},
     serial,
     servers::{GuardProcess, LlamaServer, OllamaEmulator},
 };
@@ -361,12 +361,10 @@ async fn a_half_close_is_answered_when_configured() {
     assert_eq!(reaped, 0.0);
 }
 
-/// A client that sent the start of a second, pipelined request and then left. hyper reads those
-/// bytes and stops looking for the end of the stream while the first request waits, so only
-/// guard's own detector can see the close: the kernel event, or without eBPF the user-space
-/// watcher. Either way the reap is timed in `guard_reap_latency_seconds`.
+/// A client that sent the start of a second, pipelined request and then left: only guard's own
+/// detector sees it go (the kernel event, or without eBPF the user-space watcher), and either
+/// way the reap is timed in `guard_reap_latency_seconds`.
 async fn a_client_that_leaves_behind_a_pipelined_request_is_reaped(ebpf: bool) {
-    use tokio::io::AsyncWriteExt as _;
     let _serial = serial().await;
     let ollama = OllamaEmulator::start(&["--tokens", "500", "--token-delay-ms", "20"]);
     let guard = GuardProcess::start(ollama.addr, "ollama", &config(ebpf));
@@ -378,10 +376,7 @@ async fn a_client_that_leaves_behind_a_pipelined_request_is_reaped(ebpf: bool) {
         .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
         .await;
     let mut waiting = raw_request(guard.listen, "/api/chat", &batch, &chat).await;
-    waiting
-        .write_all(b"GET /api/tags HTTP/1.1\r\n")
-        .await
-        .expect("pipelined");
+    start_pipelined_request(&mut waiting).await;
     guard
         .wait_for_metric("guard_queue_depth{class=\"batch\"}", 1.0)
         .await;

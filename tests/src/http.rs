@@ -185,6 +185,17 @@ pub async fn raw_request(
     stream
 }
 
+/// Sends the start of a second, pipelined request behind the one `stream` carries. hyper reads
+/// those bytes and then stops looking for the client's close while the first request waits, so
+/// only guard's own detector (the kernel event or the user-space watcher) can see it leave.
+pub async fn start_pipelined_request(stream: &mut tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt as _;
+    stream
+        .write_all(b"GET /api/tags HTTP/1.1\r\n")
+        .await
+        .expect("send the pipelined start");
+}
+
 /// Leaves: closes the connection with a FIN or a reset; returns CLOCK_MONOTONIC right after.
 pub fn leave<S: std::os::fd::AsFd>(stream: S, how: Leave) -> std::time::Duration {
     if let Leave::Reset = how {
