@@ -409,3 +409,46 @@ async fn a_client_that_leaves_behind_a_pipelined_request_is_reaped_ebpf() {
 async fn a_client_that_leaves_behind_a_pipelined_request_is_reaped_userspace() {
     a_client_that_leaves_behind_a_pipelined_request_is_reaped(false).await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_closes_after_the_last_line_completed() {
+    // Clients close as soon as they read a stream's last event (Ollama's `"done":true`, SSE's
+    // `[DONE]`), while the server's chunked terminator may still be on its way (llama-server
+    // writes it apart): they had the whole answer, so the request completed, not reaped.
+    use tokio::io::AsyncReadExt as _;
+    let _serial = serial().await;
+    let ollama = OllamaEmulator::start(&[
+        "--tokens",
+        "3",
+        "--token-delay-ms",
+        "5",
+        "--end-delay-ms",
+        "10",
+    ]);
+    let guard = GuardProcess::start(ollama.addr, "ollama", &config(true));
+    let chat =
+        json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }] });
+    let interactive = [("x-guard-class", "interactive")];
+    let mut stream = raw_request(guard.listen, "/api/chat", &interactive, &chat).await;
+    let mut seen = Vec::new();
+    let mut buffer = [0u8; 4096];
+    let last_line = |text: &str| text.contains("\"done\":true") || text.contains("\"done\": true");
+    while !last_line(&String::from_utf8_lossy(&seen)) {
+        let n = stream.read(&mut buffer).await.expect("read");
+        assert!(n > 0, "the stream ended before its last line");
+        seen.extend_from_slice(&buffer[..n]);
+    }
+    leave(stream, Leave::Fin);
+    guard
+        .wait_for_metric(
+            "guard_requests_total{class=\"interactive\",outcome=\"completed\"}",
+            1.0,
+        )
+        .await;
+    assert_eq!(
+        guard
+            .metric("guard_requests_total{class=\"interactive\",outcome=\"reaped\"}")
+            .await,
+        0.0
+    );
+}

@@ -413,6 +413,9 @@ class Handler(BaseHTTPRequestHandler):
             if not stream:
                 return self.send_json(200, final)
             if self.write_chunk(final):
+                # llama-server writes its chunked terminator apart from the last event; a delay
+                # here makes that gap wide enough for a test to see.
+                time.sleep(args.end_delay_ms / 1000)
                 self.wfile.write(b"0\r\n\r\n")
             else:
                 self.close_connection = True
@@ -465,6 +468,8 @@ def main():
     p.add_argument("--models", default="smollm2:135m")
     p.add_argument("--token-delay-ms", type=float, default=20)
     p.add_argument("--tokens", type=int, default=12)
+    p.add_argument("--end-delay-ms", type=float, default=0,
+                   help="pause between a stream's last line and its chunked terminator")
     p.add_argument("--load-ms", type=float, default=300)
     p.add_argument("--vram-ratio", type=float, default=1.0)
     p.add_argument("--remote-models", default="")

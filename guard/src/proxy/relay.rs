@@ -8,6 +8,7 @@ use std::{
 
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
+use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
 
 use super::record::{Outcome, RequestRecord};
@@ -44,8 +45,13 @@ impl ColdLoadProbe {
     }
 }
 
+/// How long a body whose client has gone waits for the upstream's end before it counts as reaped.
+const END_GRACE: std::time::Duration = std::time::Duration::from_millis(50);
+const UPSTREAM_HELD: &str = "the upstream body is held until drop";
+
 pub struct RelayBody {
-    upstream: Incoming,
+    /// Taken only by `drop`, to look for the end after the client has gone.
+    upstream: Option<Incoming>,
     permit: Option<Permit>,
     record: Option<RequestRecord>,
     upstream_failed: bool,
@@ -63,7 +69,7 @@ impl RelayBody {
         cold_load: Option<ColdLoadProbe>,
     ) -> Self {
         Self {
-            upstream,
+            upstream: Some(upstream),
             permit: Some(permit),
             record: Some(record),
             upstream_failed,
@@ -104,20 +110,47 @@ impl Drop for RelayBody {
         if self.record.is_none() {
             return;
         }
+        let Some(mut upstream) = self.upstream.take() else {
+            return;
+        };
         // A body whose end had already arrived completed, even if hyper stopped polling it
-        // (a known length) or the client left right after the last data (an SSE client that
-        // closes after [DONE]). Anything else dropped early is left to the record: reaped.
-        let ended = self.upstream.is_end_stream() || {
+        // (a known length). Anything else dropped early is left to the record: reaped.
+        let ended = upstream.is_end_stream() || {
             let mut cx = Context::from_waker(std::task::Waker::noop());
             matches!(
-                Pin::new(&mut self.upstream).poll_frame(&mut cx),
+                Pin::new(&mut upstream).poll_frame(&mut cx),
                 Poll::Ready(None)
             )
         };
         if ended {
             let outcome = self.end_outcome();
             self.finish(outcome);
+            return;
         }
+        // An SSE client closes on `data: [DONE]`, a moment before the server's chunked
+        // terminator: when the end follows at once with no more data, the client had its whole
+        // answer. A client that left mid-answer meets the next data frame (or the grace runs
+        // out), and only then is it reaped and the upstream request closed.
+        let (Ok(runtime), true) = (tokio::runtime::Handle::try_current(), self.first_byte_seen)
+        else {
+            return;
+        };
+        let mut rest = RelayBody {
+            upstream: None,
+            permit: self.permit.take(),
+            record: self.record.take(),
+            upstream_failed: self.upstream_failed,
+            first_byte_seen: true,
+            cold_load: self.cold_load.take(),
+        };
+        runtime.spawn(async move {
+            let next = tokio::time::timeout(END_GRACE, upstream.frame()).await;
+            if matches!(next, Ok(None)) {
+                let outcome = rest.end_outcome();
+                rest.finish(outcome);
+            }
+            // Otherwise `rest` drops unfinished, without an upstream: reaped.
+        });
     }
 }
 
@@ -129,7 +162,7 @@ impl HttpBody for RelayBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let frame = ready!(Pin::new(&mut self.upstream).poll_frame(cx));
+        let frame = ready!(Pin::new(self.upstream.as_mut().expect(UPSTREAM_HELD)).poll_frame(cx));
         match &frame {
             Some(Ok(frame)) => {
                 if let (Some(probe), Some(data)) = (self.cold_load.as_mut(), frame.data_ref()) {
@@ -142,7 +175,7 @@ impl HttpBody for RelayBody {
                     }
                 }
                 // hyper stops polling once the body says it has ended.
-                if self.upstream.is_end_stream() {
+                if self.upstream.as_ref().is_some_and(HttpBody::is_end_stream) {
                     let outcome = self.end_outcome();
                     self.finish(outcome);
                 }
@@ -157,10 +190,12 @@ impl HttpBody for RelayBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.upstream.is_end_stream()
+        self.upstream.as_ref().is_none_or(HttpBody::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.upstream.size_hint()
+        self.upstream
+            .as_ref()
+            .map_or_else(|| SizeHint::with_exact(0), HttpBody::size_hint)
     }
 }
