@@ -1,5 +1,5 @@
 //! Builds guard-ebpf for the BPF target and leaves the object in OUT_DIR, where the loader
-//! embeds it. The BPF target is built with the `debian` toolchain (DESIGN section 3), whose
+//! embeds it. The BPF target is built with the `debian` toolchain (docs/design.md §3), whose
 //! prebuilt `core` for bpfel-unknown-none spares us `-Z build-std`.
 use anyhow::Context as _;
 

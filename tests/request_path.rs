@@ -121,7 +121,7 @@ async fn a_deadline_that_cannot_be_met_is_refused_at_once() {
     assert!(retry_after >= 1);
     assert_eq!(response.header("x-guard-class"), Some("interactive"));
     let body = response.json();
-    assert_eq!(body["error"]["code"], "deadline");
+    assert_eq!(body["error"]["code"], "deadline_predicted");
     let message = body["error"]["message"].as_str().expect("message");
     assert!(
         message.contains("interactive") && message.contains("deadline"),
@@ -129,7 +129,7 @@ async fn a_deadline_that_cannot_be_met_is_refused_at_once() {
     );
     assert_eq!(
         guard
-            .metric("guard_rejected_total{class=\"interactive\",reason=\"deadline\"}")
+            .metric("guard_rejected_total{class=\"interactive\",reason=\"deadline_predicted\"}")
             .await,
         1.0
     );
@@ -156,7 +156,7 @@ async fn a_waiting_request_past_its_deadline_is_taken_out_with_503() {
         .await;
     let response = post(guard.listen, "/v1/chat/completions", &[], &chat(8, false)).await;
     assert_eq!(response.status, 503, "{}", response.text());
-    assert_eq!(response.json()["error"]["code"], "deadline");
+    assert_eq!(response.json()["error"]["code"], "deadline_expired");
     let waited: u64 = response
         .header("x-guard-queue-ms")
         .and_then(|v| v.parse().ok())
@@ -165,7 +165,7 @@ async fn a_waiting_request_past_its_deadline_is_taken_out_with_503() {
     assert_eq!(
         guard
             .metric(
-                "guard_rejected_after_queueing_total{class=\"interactive\",reason=\"deadline\"}"
+                "guard_rejected_after_queueing_total{class=\"interactive\",reason=\"deadline_expired\"}"
             )
             .await,
         1.0
@@ -382,7 +382,8 @@ async fn outcomes_reconcile_after_a_mixed_run() {
         let accounted = m("guard_requests_total{class=\"CLASS\",outcome=\"completed\"}")
             + m("guard_requests_total{class=\"CLASS\",outcome=\"reaped\"}")
             + m("guard_requests_total{class=\"CLASS\",outcome=\"failed\"}")
-            + m("guard_rejected_after_queueing_total{class=\"CLASS\",reason=\"deadline\"}")
+            + m("guard_requests_total{class=\"CLASS\",outcome=\"timed_out\"}")
+            + m("guard_rejected_after_queueing_total{class=\"CLASS\",reason=\"deadline_expired\"}")
             + m("guard_rejected_after_queueing_total{class=\"CLASS\",reason=\"shutting_down\"}")
             + m("guard_inflight{class=\"CLASS\"}")
             + m("guard_queue_depth{class=\"CLASS\"}");

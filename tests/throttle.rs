@@ -70,7 +70,10 @@ fn cpu_over(pid: u32, interval: Duration) -> f64 {
 async fn put_at_risk(
     guard: &GuardProcess,
 ) -> (tokio::net::TcpStream, tokio::task::JoinHandle<u16>) {
-    let long = json!({ "prompt": "Write a long story.", "n_predict": 4000, "ignore_eos": true });
+    // No token limit: llama-server generates until its context is full (seconds), and guard,
+    // which cannot know how long that is, estimates it from what it has seen complete. With a
+    // limit it would see the chat cannot start within its deadline and refuse it at once.
+    let long = json!({ "prompt": "Write a long story.", "ignore_eos": true });
     let batch = raw_request(
         guard.listen,
         "/completion",

@@ -1,4 +1,4 @@
-//! The command line of DESIGN section 4.
+//! The command line of docs/design.md §4.
 
 use std::path::PathBuf;
 

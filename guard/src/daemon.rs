@@ -89,12 +89,14 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
     let watched = watchers::spawn(&config, &metrics, Upstream::new(&config.upstream)?);
     let proxy = Arc::new(Proxy::new(
         &config,
-        metrics.clone(),
-        Arc::clone(&scheduler),
-        connections,
-        tracker,
-        Arc::clone(&half_close),
-        Arc::clone(&watched),
+        proxy::Parts {
+            metrics: metrics.clone(),
+            scheduler: Arc::clone(&scheduler),
+            connections,
+            tracker,
+            half_close_means_gone: Arc::clone(&half_close),
+            watched: Arc::clone(&watched),
+        },
     )?);
     let status = status_fn(
         &config,

@@ -10,7 +10,7 @@ use guard::{
     daemon, doctor, logbook, status,
 };
 
-/// The exit status for a bad config (DESIGN section 4).
+/// The exit status for a bad config (docs/design.md §4).
 const EXIT_BAD_CONFIG: u8 = 64;
 
 fn main() -> ExitCode {

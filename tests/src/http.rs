@@ -209,3 +209,32 @@ pub fn leave<S: std::os::fd::AsFd>(stream: S, how: Leave) -> std::time::Duration
     drop(stream);
     guard::reap::event::monotonic_now()
 }
+
+/// Sends a request, reads the first `frames` body frames, then leaves (closes the connection).
+pub async fn post_frames(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &serde_json::Value,
+    frames: usize,
+) -> Result<u16, String> {
+    let (mut sender, connection) = connect(addr).await?;
+    let response = sender
+        .send_request(request(
+            "POST",
+            path,
+            headers,
+            Bytes::from(body.to_string()),
+        ))
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = response.status().as_u16();
+    let mut body = response.into_body();
+    for _ in 0..frames {
+        if body.frame().await.is_none() {
+            break;
+        }
+    }
+    drop((body, sender, connection));
+    Ok(status)
+}

@@ -9,6 +9,7 @@ use std::{
 
 use tokio::sync::mpsc;
 
+pub mod counting;
 pub mod http;
 pub mod servers;
 pub mod workload;

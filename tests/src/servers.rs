@@ -152,6 +152,28 @@ impl Drop for OllamaEmulator {
     }
 }
 
+/// How to start guard.
+#[derive(Clone, Debug)]
+pub struct Launch {
+    /// As nobody, without privileges.
+    pub unprivileged: bool,
+    /// GUARD_LOG.
+    pub log_filter: String,
+    /// Pinned to this CPU: every packet guard sends then leaves through one CPU's queue, in
+    /// the order guard sent it (a close before the next connect, as a peer sees it).
+    pub cpu: Option<usize>,
+}
+
+impl Default for Launch {
+    fn default() -> Self {
+        Self {
+            unprivileged: false,
+            log_filter: std::env::var("GUARD_LOG").unwrap_or_else(|_| "info".to_owned()),
+            cpu: None,
+        }
+    }
+}
+
 /// `guard run` with a config of the test's making, stopped on drop.
 pub struct GuardProcess {
     pub listen: SocketAddr,
@@ -219,6 +241,22 @@ impl GuardProcess {
         unprivileged: bool,
         log_filter: &str,
     ) -> Self {
+        let launch = Launch {
+            unprivileged,
+            log_filter: log_filter.to_owned(),
+            cpu: None,
+        };
+        Self::launch(upstream, api, extra, &launch)
+    }
+
+    /// Starts guard as `launch` says.
+    pub fn launch(upstream: SocketAddr, api: &str, extra: &str, launch: &Launch) -> Self {
+        let Launch {
+            unprivileged,
+            log_filter,
+            cpu,
+        } = launch;
+        let unprivileged = *unprivileged;
         let dir = TempDir::new(&format!("guard-e2e-{}", free_addr().port()));
         let (listen, metrics) = (free_addr(), free_addr());
         // The test's own settings, with the addresses this harness chose merged in.
@@ -238,7 +276,15 @@ impl GuardProcess {
         let config = config.to_string();
         let config_path = dir.0.join("guard.toml");
         std::fs::write(&config_path, config).expect("write config");
-        let mut command = Command::new(guard_bin());
+        // taskset execs guard: the child's pid is guard's.
+        let mut command = match cpu {
+            Some(cpu) => {
+                let mut taskset = Command::new("taskset");
+                taskset.args(["-c", &cpu.to_string()]).arg(guard_bin());
+                taskset
+            }
+            None => Command::new(guard_bin()),
+        };
         command
             .args(["run", "--config"])
             .arg(&config_path)

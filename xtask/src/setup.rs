@@ -1,5 +1,5 @@
 //! `cargo xtask setup`: installs, once, what building and testing guard needs on a fresh
-//! Debian 12 machine (DESIGN sections 3 and 10). Every step checks before it acts.
+//! Debian 12 machine (docs/design.md §3 and §10). Every step checks before it acts.
 
 use std::{
     path::{Path, PathBuf},
@@ -10,7 +10,7 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::llama::{self, Llama};
 
-/// Debian packages, pinned where DESIGN section 3 found a version that works.
+/// Debian packages, pinned where docs/design.md §3 found a version that works.
 const APT_PACKAGES: &[(&str, Option<&str>)] = &[
     ("rustc-web", Some("1.96.0+dfsg1-1~deb12u2")),
     ("cargo-web", Some("1.96.0+dfsg1-1~deb12u2")),

@@ -19,6 +19,8 @@ pub enum Bench {
     Footprint,
     /// Interactive TTFT and batch throughput with and without cgroup throttling.
     Protect,
+    /// Start-prediction error on llama-server; time from a stall to the next request.
+    Limits,
 }
 
 impl Bench {
@@ -29,6 +31,7 @@ impl Bench {
             Self::Reap => "reap",
             Self::Footprint => "footprint",
             Self::Protect => "protect",
+            Self::Limits => "limits",
         }
     }
 }

@@ -29,12 +29,17 @@ impl ConfigError {
         message: String,
     ) -> Self {
         let line = span
+            .as_ref()
             .map(|span| locate::line_of_offset(text, span.start))
             .or_else(|| locate::line_of_key(text, key));
-        let key = if key.is_empty() || key == "." {
-            "(top level)".to_owned()
-        } else {
-            key.to_owned()
+        // A value TOML itself refuses (too large a number, say) has a span but no path: the
+        // key is the one written on that line.
+        let key = match (key.is_empty() || key == ".", &span) {
+            (false, _) => key.to_owned(),
+            (true, Some(span)) => {
+                locate::key_at_offset(text, span.start).unwrap_or_else(|| "(top level)".to_owned())
+            }
+            (true, None) => "(top level)".to_owned(),
         };
         Self::Invalid {
             file: file.to_owned(),

@@ -1,9 +1,10 @@
-//! guard's configuration: the TOML file of DESIGN section 5, its defaults and its validation.
+//! guard's configuration: the TOML file of docs/design.md §5, its defaults and its validation.
 //!
 //! Every key is documented in `deploy/guard.example.toml`; a test parses that file.
 
 mod error;
 mod locate;
+mod validate;
 
 use std::{
     collections::BTreeMap,
@@ -118,7 +119,7 @@ impl Default for WatchConfig {
     }
 }
 
-/// When protected classes' deadlines are at risk (DESIGN section 8).
+/// When protected classes' deadlines are at risk (docs/design.md §8).
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RiskConfig {
@@ -175,6 +176,54 @@ pub struct ClassConfig {
     /// How to throttle that cgroup while a higher class is at risk.
     #[serde(default)]
     pub throttle: Option<Throttle>,
+    /// A client must send its whole body within this time (408, and nothing is queued).
+    #[serde(default = "default_body_read_timeout_ms")]
+    pub body_read_timeout_ms: u64,
+    /// Mid-answer, the upstream must send its next frame within this time.
+    #[serde(default = "default_upstream_idle_ms")]
+    pub upstream_idle_ms: u64,
+    /// A write to the client may stay blocked (the client does not read) this long.
+    #[serde(default = "default_client_stall_ms")]
+    pub client_stall_ms: u64,
+    /// Arrival to last byte; absent means no limit.
+    #[serde(default)]
+    pub max_duration_ms: Option<u64>,
+}
+
+impl ClassConfig {
+    /// A class with the given priority, queue and deadline, and every other key at its default.
+    pub fn new(priority: i32, max_queue: usize, deadline_ms: Option<u64>) -> Self {
+        Self {
+            priority,
+            max_queue,
+            deadline_ms,
+            cgroup: None,
+            throttle: None,
+            body_read_timeout_ms: default_body_read_timeout_ms(),
+            upstream_idle_ms: default_upstream_idle_ms(),
+            client_stall_ms: default_client_stall_ms(),
+            max_duration_ms: None,
+        }
+    }
+
+    /// The class's timeouts, as durations.
+    pub fn timeouts(&self) -> ClassTimeouts {
+        ClassTimeouts {
+            body_read: Duration::from_millis(self.body_read_timeout_ms),
+            upstream_idle: Duration::from_millis(self.upstream_idle_ms),
+            client_stall: Duration::from_millis(self.client_stall_ms),
+            max_duration: self.max_duration_ms.map(Duration::from_millis),
+        }
+    }
+}
+
+/// The limits on how long each part of a class's request may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClassTimeouts {
+    pub body_read: Duration,
+    pub upstream_idle: Duration,
+    pub client_stall: Duration,
+    pub max_duration: Option<Duration>,
 }
 
 /// How a class's cgroup is held back.
@@ -212,24 +261,9 @@ impl Default for Config {
         let class = BTreeMap::from([
             (
                 "interactive".to_owned(),
-                ClassConfig {
-                    priority: 0,
-                    max_queue: 8,
-                    deadline_ms: Some(2_000),
-                    cgroup: None,
-                    throttle: None,
-                },
+                ClassConfig::new(0, 8, Some(2_000)),
             ),
-            (
-                "batch".to_owned(),
-                ClassConfig {
-                    priority: 10,
-                    max_queue: 1_000,
-                    deadline_ms: None,
-                    cgroup: None,
-                    throttle: None,
-                },
-            ),
+            ("batch".to_owned(), ClassConfig::new(10, 1_000, None)),
         ]);
         Self {
             server: ServerConfig::default(),
@@ -298,6 +332,18 @@ fn default_max_queue() -> usize {
     64
 }
 
+fn default_body_read_timeout_ms() -> u64 {
+    30_000
+}
+
+fn default_upstream_idle_ms() -> u64 {
+    60_000
+}
+
+fn default_client_stall_ms() -> u64 {
+    30_000
+}
+
 impl<'de> Deserialize<'de> for Throttle {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let text = String::deserialize(deserializer)?;
@@ -362,89 +408,6 @@ impl Config {
         Ok(config)
     }
 
-    /// Checks what the types alone cannot; returns the offending key and why.
-    fn validate(&self) -> Result<(), (String, String)> {
-        let fail = |key: &str, message: String| Err((key.to_owned(), message));
-        if let Err(message) = upstream_authority(&self.upstream.url) {
-            return fail("upstream.url", message);
-        }
-        if self.upstream.max_concurrency == 0 {
-            return fail("upstream.max_concurrency", "must be 1 or more".to_owned());
-        }
-        if self.server.listen == self.metrics.listen {
-            return fail(
-                "metrics.listen",
-                format!("{} is already server.listen", self.metrics.listen),
-            );
-        }
-        if self.watch.interval_ms < 100 {
-            return fail("watch.interval_ms", "must be 100 or more".to_owned());
-        }
-        for (key, value) in [
-            ("risk.wait_fraction", self.risk.wait_fraction),
-            ("risk.memory_pressure", self.risk.memory_pressure),
-            ("risk.gpu_memory", self.risk.gpu_memory),
-        ] {
-            if !(0.0..=1.0).contains(&value) || value == 0.0 {
-                return fail(key, format!("{value} is not in (0, 1]"));
-            }
-        }
-        if !self.risk.state_dir.is_absolute() {
-            return fail("risk.state_dir", "must be an absolute path".to_owned());
-        }
-        if self.class.is_empty() {
-            return fail("class", "at least one class is needed".to_owned());
-        }
-        for (name, class) in &self.class {
-            let valid_name = name
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
-            if !valid_name || name.is_empty() {
-                return fail(
-                    &format!("class.{name}"),
-                    "class names use a-z, 0-9, '_' and '-'".to_owned(),
-                );
-            }
-            if let Some(cgroup) = &class.cgroup
-                && !cgroup.is_absolute()
-            {
-                return fail(
-                    &format!("class.{name}.cgroup"),
-                    format!("{} is not an absolute path", cgroup.display()),
-                );
-            }
-            if class.throttle.is_some() && class.cgroup.is_none() {
-                return fail(
-                    &format!("class.{name}.throttle"),
-                    "throttle needs class.NAME.cgroup".to_owned(),
-                );
-            }
-        }
-        let known = self.class_names();
-        if !self.class.contains_key(&self.classify.default) {
-            return fail(
-                "classify.default",
-                format!(
-                    "unknown class `{}`: known are {known}",
-                    self.classify.default
-                ),
-            );
-        }
-        for (index, rule) in self.classify.rule.iter().enumerate() {
-            let key = |field: &str| format!("classify.rule[{index}].{field}");
-            if !self.class.contains_key(&rule.class) {
-                return fail(
-                    &key("class"),
-                    format!("unknown class `{}`: known are {known}", rule.class),
-                );
-            }
-            if let Err((field, message)) = rule.check() {
-                return fail(&key(field), message);
-            }
-        }
-        Ok(())
-    }
-
     /// The class names, comma-separated, for error messages.
     pub fn class_names(&self) -> String {
         self.class.keys().cloned().collect::<Vec<_>>().join(", ")
@@ -452,36 +415,6 @@ impl Config {
 
     pub fn header_read_timeout(&self) -> Duration {
         Duration::from_millis(self.server.header_read_timeout_ms)
-    }
-}
-
-impl RuleConfig {
-    /// Checks that the rule matches on something and that its patterns compile.
-    fn check(&self) -> Result<(), (&'static str, String)> {
-        let matchers = [
-            &self.path_prefix,
-            &self.model,
-            &self.bearer,
-            &self.user_agent,
-            &self.source,
-            &self.cgroup_prefix,
-        ];
-        if matchers.iter().all(|m| m.is_none()) {
-            return Err((
-                "class",
-                "a rule needs one of path_prefix, model, bearer, user_agent, source, cgroup_prefix"
-                    .to_owned(),
-            ));
-        }
-        for (field, glob) in [("model", &self.model), ("user_agent", &self.user_agent)] {
-            if let Some(glob) = glob {
-                globset::Glob::new(glob).map_err(|err| (field, err.to_string()))?;
-            }
-        }
-        if let Some(source) = &self.source {
-            parse_cidr(source).map_err(|err| ("source", err))?;
-        }
-        Ok(())
     }
 }
 

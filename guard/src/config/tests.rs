@@ -91,3 +91,222 @@ fn syntax_error_has_a_line() {
     let (line, _, _) = invalid("[server]\nlisten = \n");
     assert_eq!(line, Some(2));
 }
+
+#[test]
+fn zero_negative_and_huge_limits_are_refused_by_key_and_line() {
+    for (text, key) in [
+        (
+            "[upstream]\nmax_concurrency = 0\n",
+            "upstream.max_concurrency",
+        ),
+        (
+            "[upstream]\nmax_concurrency = 70000\n",
+            "upstream.max_concurrency",
+        ),
+        (
+            "[upstream]\nmax_concurrency = -1\n",
+            "upstream.max_concurrency",
+        ),
+        (
+            "[server]\nheader_read_timeout_ms = 0\n",
+            "server.header_read_timeout_ms",
+        ),
+        (
+            "[server]\nbody_limit_bytes = 0\n",
+            "server.body_limit_bytes",
+        ),
+        (
+            "[upstream]\nresponse_timeout_ms = 18446744073709551615\n",
+            "upstream.response_timeout_ms",
+        ),
+        (
+            "[class.batch]\ndeadline_ms = 0\n",
+            "class.batch.deadline_ms",
+        ),
+        (
+            "[class.batch]\nmax_queue = 2000000\n",
+            "class.batch.max_queue",
+        ),
+        (
+            "[class.batch]\nupstream_idle_ms = 0\n",
+            "class.batch.upstream_idle_ms",
+        ),
+        (
+            "[class.batch]\nclient_stall_ms = 999999999999\n",
+            "class.batch.client_stall_ms",
+        ),
+        (
+            "[class.batch]\nbody_read_timeout_ms = 0\n",
+            "class.batch.body_read_timeout_ms",
+        ),
+        (
+            "[class.batch]\nmax_duration_ms = 0\n",
+            "class.batch.max_duration_ms",
+        ),
+        (
+            "[risk]\nswap_in_pages_per_second = nan\n",
+            "risk.swap_in_pages_per_second",
+        ),
+        (
+            "[risk]\nswap_in_pages_per_second = -1.0\n",
+            "risk.swap_in_pages_per_second",
+        ),
+        ("[risk]\nwait_fraction = inf\n", "risk.wait_fraction"),
+        ("[watch]\ninterval_ms = 10\n", "watch.interval_ms"),
+    ] {
+        let (line, named, message) = invalid(text);
+        assert_eq!(named, key, "{text}: {message}");
+        assert!(line.is_some(), "{text}: no line");
+    }
+}
+
+#[test]
+fn zero_means_what_the_example_file_says() {
+    let config = parse(
+        "[server]\ndrain_grace_ms = 0\n[estimate]\ninitial_service_ms = 0\n\
+         [class.interactive]\n[class.batch]\nmax_queue = 0\n[risk]\nhold_ms = 0\n",
+    )
+    .expect("zero is meaningful here");
+    assert_eq!(config.class["batch"].max_queue, 0);
+}
+
+mod properties {
+    use std::sync::Arc;
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::{
+        metrics::Metrics,
+        queue::{Job, Scheduler},
+    };
+
+    /// Every integer and float key, with the table it lives in.
+    const INTEGERS: &[(&str, &str)] = &[
+        ("server", "header_read_timeout_ms"),
+        ("server", "body_limit_bytes"),
+        ("server", "drain_grace_ms"),
+        ("upstream", "max_concurrency"),
+        ("upstream", "connect_timeout_ms"),
+        ("upstream", "response_timeout_ms"),
+        ("estimate", "initial_service_ms"),
+        ("watch", "interval_ms"),
+        ("watch", "cold_load_ms"),
+        ("risk", "hold_ms"),
+        ("risk", "ttft_min_samples"),
+        ("risk", "protect_priority"),
+        ("class.batch", "priority"),
+        ("class.batch", "max_queue"),
+        ("class.batch", "deadline_ms"),
+        ("class.batch", "body_read_timeout_ms"),
+        ("class.batch", "upstream_idle_ms"),
+        ("class.batch", "client_stall_ms"),
+        ("class.batch", "max_duration_ms"),
+    ];
+    const FLOATS: &[(&str, &str)] = &[
+        ("risk", "wait_fraction"),
+        ("risk", "swap_in_pages_per_second"),
+        ("risk", "memory_pressure"),
+        ("risk", "gpu_memory"),
+    ];
+
+    fn integer() -> impl Strategy<Value = i64> {
+        prop_oneof![
+            Just(0),
+            Just(-1),
+            Just(1),
+            Just(i64::MAX),
+            Just(i64::MIN),
+            0..10_000i64,
+            any::<i64>(),
+        ]
+    }
+
+    fn float() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("nan".to_owned()),
+            Just("inf".to_owned()),
+            Just("-inf".to_owned()),
+            any::<f64>().prop_map(|f| format!("{f:?}")),
+            (0.0..1.5f64).prop_map(|f| format!("{f:?}")),
+        ]
+    }
+
+    /// A config text setting some keys, and the keys it set.
+    fn config_text() -> impl Strategy<Value = (String, Vec<String>)> {
+        let ints = proptest::collection::vec((0..INTEGERS.len(), integer()), 0..4);
+        let floats = proptest::collection::vec((0..FLOATS.len(), float()), 0..2);
+        (ints, floats).prop_map(|(ints, floats)| {
+            let mut tables: std::collections::BTreeMap<&str, Vec<String>> = Default::default();
+            // The default class must stay: a [class.*] table replaces the built-in classes.
+            tables.insert("class.interactive", Vec::new());
+            let mut keys: Vec<String> = Vec::new();
+            let mut set = |(table, key): (&'static str, &str), value: String| {
+                let name = format!("{table}.{key}");
+                if !keys.contains(&name) {
+                    tables
+                        .entry(table)
+                        .or_default()
+                        .push(format!("{key} = {value}"));
+                    keys.push(name);
+                }
+            };
+            for (index, value) in ints {
+                set(INTEGERS[index], value.to_string());
+            }
+            for (index, value) in floats {
+                set(FLOATS[index], value);
+            }
+            let text = tables
+                .iter()
+                .map(|(table, lines)| format!("[{table}]\n{}\n", lines.join("\n")))
+                .collect::<String>();
+            (text, keys)
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// Any values: the loader never panics; a refusal names a key the text set, with its
+        /// line; an accepted config drives the scheduler without overflow or division by zero.
+        #[test]
+        fn random_values_are_refused_by_key_or_used_safely(
+            (text, keys) in config_text(),
+            tokens in proptest::option::of(any::<u64>()),
+        ) {
+            match parse(&text) {
+                Err(ConfigError::Invalid { key, line, .. }) => {
+                    let named = keys.contains(&key);
+                    prop_assert!(named, "{key} is none of {keys:?}\n{text}");
+                    prop_assert!(line.is_some(), "no line for {key}\n{text}");
+                }
+                Err(other) => prop_assert!(false, "{other}"),
+                Ok(config) => exercise(&config, tokens),
+            }
+        }
+    }
+
+    /// Admits, predicts and reports with an accepted config.
+    fn exercise(config: &Config, tokens: Option<u64>) {
+        let scheduler: Arc<Scheduler> = Scheduler::new(config, Metrics::new());
+        let mut tickets = Vec::new();
+        for class in ["batch", "interactive", "batch"] {
+            let job = Job {
+                class: class.to_owned(),
+                model: Some("m".to_owned()),
+                tokens,
+            };
+            if let Ok(ticket) = scheduler.enqueue(job) {
+                tickets.push(ticket);
+            }
+        }
+        let _ = scheduler.snapshot();
+        let _ = scheduler.wait_fractions();
+        for class in config.class.values() {
+            let _ = class.timeouts();
+        }
+        drop(tickets);
+        assert_eq!(scheduler.load().0, 0);
+    }
+}

@@ -1,4 +1,4 @@
-//! The benchmark logbook (DESIGN section 9): `guard bench` records a baseline run as one JSON
+//! The benchmark logbook (docs/design.md §9): `guard bench` records a baseline run as one JSON
 //! line; `guard logbook` lists entries, flags due retests, compares two, and draws a report.
 
 pub mod compare;

@@ -1,4 +1,4 @@
-//! guard's Prometheus metrics (DESIGN section 7) and the listener that serves them.
+//! guard's Prometheus metrics (docs/design.md §7) and the listener that serves them.
 
 mod server;
 
@@ -15,10 +15,19 @@ const LATENCY_BUCKETS: &[f64] = &[
     120.0, 300.0,
 ];
 
+/// Buckets for the signed error of a predicted start (actual minus predicted), ±5 minutes.
+const PREDICTION_ERROR_BUCKETS: &[f64] = &[
+    -300.0, -60.0, -10.0, -5.0, -2.0, -1.0, -0.5, -0.25, -0.1, -0.05, -0.025, -0.01, 0.0, 0.01,
+    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 60.0, 300.0,
+];
+
 /// Buckets for reap latency, from 10 µs to 5 s.
 const REAP_BUCKETS: &[f64] = &[
     0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0,
 ];
+
+/// The `outcome` label values of `guard_requests_total`.
+pub const OUTCOMES: [&str; 5] = ["completed", "rejected", "reaped", "failed", "timed_out"];
 
 /// Every metric guard exports. Cheap to clone: each field is a handle.
 #[derive(Clone)]
@@ -32,7 +41,10 @@ pub struct Metrics {
     pub queue_wait_seconds: HistogramVec,
     pub ttft_seconds: HistogramVec,
     pub request_duration_seconds: HistogramVec,
+    pub start_prediction_error_seconds: HistogramVec,
     pub reap_latency_seconds: Histogram,
+    pub timed_out_total: IntCounterVec,
+    pub failed_total: IntCounterVec,
     pub ebpf_attached: IntGauge,
     pub ebpf_events_total: IntCounter,
     pub ebpf_ring_drops_total: IntCounter,
@@ -107,12 +119,12 @@ impl Metrics {
         let metrics = Self {
             requests_total: counter_vec(
                 "guard_requests_total",
-                "Requests to queued endpoints by class and final outcome (completed, rejected, reaped, failed).",
+                "Requests to queued endpoints by class and final outcome (completed, rejected, reaped, failed, timed_out).",
                 &["class", "outcome"],
             ),
             rejected_total: counter_vec(
                 "guard_rejected_total",
-                "Requests answered 503 by class and reason (queue_full, deadline, shutting_down).",
+                "Requests answered 503 by class and reason (queue_full, deadline_predicted, deadline_expired, shutting_down).",
                 &["class", "reason"],
             ),
             reaped_total: counter_vec(
@@ -140,6 +152,25 @@ impl Metrics {
                 "guard_request_duration_seconds",
                 "Time from arrival to the last response byte.",
                 class,
+            ),
+            start_prediction_error_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "guard_start_prediction_error_seconds",
+                    "Actual minus predicted start (arrival to dispatch) of admitted requests: positive started later than predicted.",
+                )
+                .buckets(PREDICTION_ERROR_BUCKETS.to_vec()),
+                class,
+            )
+            .expect("valid histogram"),
+            timed_out_total: counter_vec(
+                "guard_timed_out_total",
+                "Accepted requests ended by a timeout, by class and which (upstream_idle, client_stall, max_duration).",
+                &["class", "which"],
+            ),
+            failed_total: counter_vec(
+                "guard_failed_total",
+                "Accepted requests that failed, by class and kind (upstream_unreachable, upstream_timeout, upstream_error, upstream_reset).",
+                &["class", "kind"],
             ),
             reap_latency_seconds: Histogram::with_opts(
                 HistogramOpts::new(
@@ -181,12 +212,12 @@ impl Metrics {
             ),
             rejected_after_queueing_total: counter_vec(
                 "guard_rejected_after_queueing_total",
-                "Accepted requests later answered 503 from the queue (deadline passed, shutting down).",
+                "Accepted requests later answered 503 from the queue (deadline_expired, shutting_down).",
                 &["class", "reason"],
             ),
             invalid_requests_total: counter_vec(
                 "guard_invalid_requests_total",
-                "Requests to queued endpoints refused before queueing: malformed_json, body_too_large, unknown_class, body_read.",
+                "Requests to queued endpoints refused before queueing: malformed_json, body_too_large, unknown_class, body_read, body_read_timeout.",
                 &["reason"],
             ),
             model_cold_loads_total: counter_vec(
@@ -242,7 +273,10 @@ impl Metrics {
             Box::new(self.queue_wait_seconds.clone()),
             Box::new(self.ttft_seconds.clone()),
             Box::new(self.request_duration_seconds.clone()),
+            Box::new(self.start_prediction_error_seconds.clone()),
             Box::new(self.reap_latency_seconds.clone()),
+            Box::new(self.timed_out_total.clone()),
+            Box::new(self.failed_total.clone()),
             Box::new(self.ebpf_attached.clone()),
             Box::new(self.ebpf_events_total.clone()),
             Box::new(self.ebpf_ring_drops_total.clone()),
@@ -278,19 +312,23 @@ impl Metrics {
     /// Makes every per-class series exist at zero, so dashboards and `absent()` alerts see
     /// classes before their first request.
     pub fn init_class(&self, class: &str) {
-        for outcome in ["completed", "rejected", "reaped", "failed"] {
+        for outcome in OUTCOMES {
             self.requests_total.with_label_values(&[class, outcome]);
         }
-        for reason in ["queue_full", "deadline", "shutting_down"] {
-            self.rejected_total.with_label_values(&[class, reason]);
+        for reason in crate::queue::RejectReason::ALL {
+            self.rejected_total
+                .with_label_values(&[class, reason.as_str()]);
         }
         for stage in ["queued", "running"] {
             self.reaped_total.with_label_values(&[class, stage]);
         }
         self.admitted_total.with_label_values(&[class]);
-        for reason in ["deadline", "shutting_down"] {
+        for reason in ["deadline_expired", "shutting_down"] {
             self.rejected_after_queueing_total
                 .with_label_values(&[class, reason]);
+        }
+        for which in ["upstream_idle", "client_stall", "max_duration"] {
+            self.timed_out_total.with_label_values(&[class, which]);
         }
         self.queue_depth.with_label_values(&[class]);
         self.inflight.with_label_values(&[class]);
@@ -298,6 +336,31 @@ impl Metrics {
         self.queue_wait_seconds.with_label_values(&[class]);
         self.ttft_seconds.with_label_values(&[class]);
         self.request_duration_seconds.with_label_values(&[class]);
+        self.start_prediction_error_seconds
+            .with_label_values(&[class]);
+    }
+
+    /// A class's configured deadline, or none.
+    pub fn set_deadline(&self, class: &str, deadline: Option<std::time::Duration>) {
+        match deadline {
+            Some(deadline) => self
+                .class_deadline_seconds
+                .with_label_values(&[class])
+                .set(deadline.as_secs_f64()),
+            None => {
+                let _ = self.class_deadline_seconds.remove_label_values(&[class]);
+            }
+        }
+    }
+
+    /// A class's waiting and running requests.
+    pub fn publish_class(&self, class: &str, queued: usize, running: usize) {
+        self.queue_depth
+            .with_label_values(&[class])
+            .set(queued as i64);
+        self.inflight
+            .with_label_values(&[class])
+            .set(running as i64);
     }
 
     /// Brings a counter that mirrors a monotonic source (a kernel counter) up to `value`.

@@ -1,5 +1,5 @@
 //! Every way a proxied request can fail, and the one place that turns each into an HTTP
-//! response in the API's own error shape (DESIGN section 6).
+//! response in the API's own error shape (docs/design.md §6).
 
 use std::time::Duration;
 
@@ -7,7 +7,7 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use http_body_util::{BodyExt as _, Full};
 
-use super::upstream::Body;
+use super::{outcome::Timeout, upstream::Body};
 use crate::{classify::UnknownClass, queue::RejectReason};
 
 /// Which API's error shape a response uses.
@@ -46,12 +46,72 @@ pub enum ProxyError {
     UpstreamUnreachable(String),
     #[error("upstream did not answer within {} ms", .0.as_millis())]
     UpstreamTimeout(Duration),
+    #[error("the upstream's answer broke off: {0}")]
+    UpstreamReset(String),
+    #[error("the request body did not arrive within {} ms ({})", limit.as_millis(), Timeout::BodyRead.key())]
+    BodyReadTimeout { limit: Duration },
+    #[error("class {class}: {} ms passed ({}): {}", limit.as_millis(), which.key(), explain_timeout(*which))]
+    TimedOut {
+        class: String,
+        which: Timeout,
+        limit: Duration,
+    },
+    #[error("guard let go of this request (an internal error)")]
+    Internal,
+}
+
+/// The form of a streamed answer, which decides how an error is told mid-stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamFormat {
+    /// `text/event-stream` (OpenAI, llama-server): an `error` event.
+    Sse,
+    /// `application/x-ndjson` (Ollama): an `{"error": ...}` line.
+    Ndjson,
+    /// Anything else, such as one JSON document: nothing can be appended, only cut.
+    Whole,
+}
+
+impl StreamFormat {
+    pub fn of(content_type: Option<&http::HeaderValue>) -> Self {
+        let media = content_type
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(';').next())
+            .map(|v| v.trim().to_ascii_lowercase());
+        match media.as_deref() {
+            Some("text/event-stream") => Self::Sse,
+            Some("application/x-ndjson") => Self::Ndjson,
+            _ => Self::Whole,
+        }
+    }
+
+    /// Tokens in a chunk of this stream: one per event or line.
+    pub fn count_tokens(self, data: &[u8]) -> u64 {
+        let lines = data.iter().filter(|b| **b == b'\n').count() as u64;
+        match self {
+            // `data: {...}\n\n`: two newlines an event.
+            Self::Sse => lines / 2,
+            Self::Ndjson => lines,
+            Self::Whole => 0,
+        }
+    }
+}
+
+fn explain_timeout(which: Timeout) -> &'static str {
+    match which {
+        Timeout::BodyRead => "the request body did not arrive in time",
+        Timeout::UpstreamIdle => "the upstream sent nothing more for that long",
+        Timeout::ClientStall => "the client did not read for that long",
+        Timeout::MaxDuration => "the request took longer than its class allows",
+    }
 }
 
 fn explain(reason: RejectReason) -> &'static str {
     match reason {
         RejectReason::QueueFull => "the class's queue is full",
-        RejectReason::Deadline => "the request cannot start within the class's deadline",
+        RejectReason::DeadlinePredicted => {
+            "guard predicts the request cannot start within the class's deadline"
+        }
+        RejectReason::DeadlineExpired => "the class's deadline passed while the request waited",
         RejectReason::ShuttingDown => "guard is shutting down",
     }
 }
@@ -59,7 +119,12 @@ fn explain(reason: RejectReason) -> &'static str {
 impl ProxyError {
     fn status(&self) -> StatusCode {
         match self {
-            Self::Config(_) | Self::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
+            Self::Config(_) | Self::UpstreamUnreachable(_) | Self::UpstreamReset(_) => {
+                StatusCode::BAD_GATEWAY
+            }
+            Self::BodyReadTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            Self::TimedOut { .. } => StatusCode::GATEWAY_TIMEOUT,
+            Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
             Self::BadRequest(_) | Self::UnknownClass(_) | Self::MalformedJson(_) => {
                 StatusCode::BAD_REQUEST
             }
@@ -82,22 +147,43 @@ impl ProxyError {
             Self::RemoteModel { .. } => "remote_model_refused",
             Self::UpstreamUnreachable(_) => "upstream_unreachable",
             Self::UpstreamTimeout(_) => "upstream_timeout",
+            Self::UpstreamReset(_) => "upstream_reset",
+            Self::BodyReadTimeout { .. } => "body_read_timeout",
+            Self::TimedOut { which, .. } => which.as_str(),
+            Self::Internal => "internal",
         }
     }
 
-    pub fn into_response(self, shape: ErrorShape) -> Response<Body> {
+    /// The error in the API's own body shape.
+    fn body(&self, shape: ErrorShape) -> serde_json::Value {
         let message = format!("guard: {self}");
-        let status = self.status();
-        let body = match shape {
+        match shape {
             ErrorShape::Ollama => serde_json::json!({ "error": message }),
             ErrorShape::Openai => serde_json::json!({
                 "error": {
                     "message": message,
-                    "type": if status.is_server_error() { "server_error" } else { "invalid_request_error" },
+                    "type": if self.status().is_server_error() { "server_error" } else { "invalid_request_error" },
                     "code": self.code(),
                 }
             }),
+        }
+    }
+
+    /// The error as the last piece of a stream cut short, where the format has one.
+    pub fn stream_frame(&self, format: StreamFormat) -> Option<Bytes> {
+        let text = match format {
+            // llama-server and OpenAI send a stream's error as one more data event.
+            StreamFormat::Sse => format!("data: {}\n\n", self.body(ErrorShape::Openai)),
+            // Ollama ends a failed stream with an error line.
+            StreamFormat::Ndjson => format!("{}\n", self.body(ErrorShape::Ollama)),
+            StreamFormat::Whole => return None,
         };
+        Some(Bytes::from(text))
+    }
+
+    pub fn into_response(self, shape: ErrorShape) -> Response<Body> {
+        let status = self.status();
+        let body = self.body(shape);
         let mut response = Response::new(full(body.to_string()));
         *response.status_mut() = status;
         let headers = response.headers_mut();
@@ -115,7 +201,7 @@ impl ProxyError {
     }
 }
 
-/// Whole seconds, rounded up, at least one (DESIGN section 6).
+/// Whole seconds, rounded up, at least one (docs/design.md §6).
 pub fn retry_after_secs(estimate: Duration) -> u64 {
     estimate.as_secs_f64().ceil().max(1.0) as u64
 }

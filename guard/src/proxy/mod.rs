@@ -1,14 +1,16 @@
 //! The HTTP proxy from `server.listen` to the upstream inference server: generation endpoints
 //! go through the class queues, everything else passes straight through.
 
+mod client_body;
 pub mod error;
-mod queued;
-mod record;
-mod relay;
+pub mod exchange;
+pub mod outcome;
+mod request;
+mod serve;
 pub mod upstream;
 
 use std::{
-    convert::Infallible,
+    collections::BTreeMap,
     net::SocketAddr,
     sync::{
         Arc, RwLock,
@@ -20,34 +22,23 @@ use std::{
 use bytes::Bytes;
 use http::{Method, Request, Response};
 use http_body_util::BodyExt as _;
-use hyper::{
-    body::{Body as _, Incoming},
-    server::conn::http1,
-    service::service_fn,
-};
-use hyper_util::{
-    rt::{TokioIo, TokioTimer},
-    server::graceful::GracefulShutdown,
-};
-use tokio::{net::TcpListener, sync::watch};
+use hyper::body::{Body as _, Incoming};
 
 pub use error::{ErrorShape, ProxyError};
+pub use exchange::Connector;
+pub use serve::{serve, serve_connection, stop_requested};
 pub use upstream::{Body, Upstream};
 
 use crate::{
     classify::Classifier,
-    config::{Api, Config},
+    config::{Api, ClassTimeouts, Config},
     metrics::Metrics,
     queue::Scheduler,
-    reap::{
-        EbpfTracker,
-        registry::{Connection, Registry},
-        userspace,
-    },
+    reap::{EbpfTracker, registry::Registry},
     watch::Watched,
 };
 
-/// Endpoints whose requests wait in the class queues (DESIGN section 6).
+/// Endpoints whose requests wait in the class queues (docs/design.md §6).
 const QUEUED_PATHS: &[&str] = &[
     "/api/generate",
     "/api/chat",
@@ -66,11 +57,26 @@ struct Settings {
     body_limit: u64,
     refuse_remote_models: bool,
     cold_load: Duration,
+    timeouts: BTreeMap<String, ClassTimeouts>,
+    default_class: String,
+}
+
+impl Settings {
+    /// A class's timeouts (the default class's for a name a reload removed).
+    fn timeouts(&self, class: &str) -> ClassTimeouts {
+        self.timeouts
+            .get(class)
+            .or_else(|| self.timeouts.get(&self.default_class))
+            .copied()
+            .unwrap_or_else(|| crate::config::ClassConfig::new(0, 0, None).timeouts())
+    }
 }
 
 /// What every connection handler shares.
 pub struct Proxy {
     upstream: Upstream,
+    connector: Connector,
+    response_timeout: Duration,
     metrics: Metrics,
     scheduler: Arc<Scheduler>,
     connections: Arc<Registry>,
@@ -82,27 +88,47 @@ pub struct Proxy {
     remote_models: Arc<Watched>,
 }
 
+/// The shared pieces a proxy is built from.
+pub struct Parts {
+    pub metrics: Metrics,
+    pub scheduler: Arc<Scheduler>,
+    pub connections: Arc<Registry>,
+    pub tracker: Option<Arc<EbpfTracker>>,
+    pub half_close_means_gone: Arc<AtomicBool>,
+    pub watched: Arc<Watched>,
+}
+
 impl Proxy {
-    pub fn new(
+    /// A proxy to the upstream of `config`, over TCP.
+    pub fn new(config: &Config, parts: Parts) -> Result<Self, ProxyError> {
+        let authority =
+            crate::config::upstream_authority(&config.upstream.url).map_err(ProxyError::Config)?;
+        let connector = Connector::Tcp {
+            authority: authority.to_string(),
+            connect_timeout: Duration::from_millis(config.upstream.connect_timeout_ms),
+        };
+        Self::with_connector(config, parts, connector)
+    }
+
+    /// A proxy whose queued requests reach the upstream through `connector`.
+    pub fn with_connector(
         config: &Config,
-        metrics: Metrics,
-        scheduler: Arc<Scheduler>,
-        connections: Arc<Registry>,
-        tracker: Option<Arc<EbpfTracker>>,
-        half_close_means_gone: Arc<AtomicBool>,
-        watched: Arc<Watched>,
+        parts: Parts,
+        connector: Connector,
     ) -> Result<Self, ProxyError> {
         Ok(Self {
             upstream: Upstream::new(&config.upstream)?,
-            metrics,
-            scheduler,
-            connections,
-            tracker,
+            connector,
+            response_timeout: Duration::from_millis(config.upstream.response_timeout_ms),
+            metrics: parts.metrics,
+            scheduler: parts.scheduler,
+            connections: parts.connections,
+            tracker: parts.tracker,
             settings: RwLock::new(Arc::new(Settings::from(config))),
             header_read_timeout: config.header_read_timeout(),
             listen: config.server.listen,
-            half_close_means_gone,
-            remote_models: watched,
+            half_close_means_gone: parts.half_close_means_gone,
+            remote_models: parts.watched,
         })
     }
 
@@ -125,15 +151,19 @@ impl Proxy {
         )
     }
 
+    fn half_close_means_gone(&self) -> bool {
+        self.half_close_means_gone.load(Ordering::Relaxed)
+    }
+
     /// Handles one request on `connection`.
     async fn handle(
-        &self,
+        self: &Arc<Self>,
         request: Request<Incoming>,
-        connection: &Arc<Connection>,
+        connection: &Arc<crate::reap::registry::Connection>,
     ) -> Response<Body> {
         let settings = self.settings();
         if request.method() == Method::POST && QUEUED_PATHS.contains(&request.uri().path()) {
-            return self.queued(request, connection, &settings).await;
+            return request::handle(Arc::clone(self), settings, request, connection).await;
         }
         let shape = error_shape(request.uri().path(), settings.api);
         // A request without a body (GET /api/tags, /v1/models) can be sent again safely.
@@ -141,10 +171,11 @@ impl Proxy {
             let (head, _) = request.into_parts();
             self.upstream.send_buffered(&head, Bytes::new()).await
         } else {
-            self.upstream.send(request.map(|body| body.boxed())).await
+            let request = request.map(|body| body.map_err(Into::into).boxed());
+            self.upstream.send(request).await
         };
         let response = match sent {
-            Ok(response) => response.map(|body| body.boxed()),
+            Ok(response) => response.map(|body| body.map_err(Into::into).boxed()),
             Err(err) => err.into_response(shape),
         };
         self.metrics
@@ -163,6 +194,12 @@ impl From<&Config> for Settings {
             body_limit: config.server.body_limit_bytes,
             refuse_remote_models: config.upstream.refuse_remote_models,
             cold_load: Duration::from_millis(config.watch.cold_load_ms),
+            timeouts: config
+                .class
+                .iter()
+                .map(|(name, class)| (name.clone(), class.timeouts()))
+                .collect(),
+            default_class: config.classify.default.clone(),
         }
     }
 }
@@ -181,95 +218,5 @@ pub fn error_shape(path: &str, api: Api) -> ErrorShape {
     }
 }
 
-/// Accepts connections until `shutdown` turns true, then waits for open connections to
-/// finish their current request, at most `grace`.
-pub async fn serve(
-    listener: TcpListener,
-    proxy: Arc<Proxy>,
-    mut shutdown: watch::Receiver<bool>,
-    grace: Duration,
-) {
-    let graceful = GracefulShutdown::new();
-    loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(err) => {
-                    // EMFILE and friends: back off briefly instead of spinning.
-                    tracing::warn!(%err, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            () = stop_requested(&mut shutdown) => break,
-        };
-        let _ = stream.set_nodelay(true);
-        let connection = proxy.connections.register(peer);
-        // Without the kernel's events, watch the socket from user space.
-        let watched = match proxy.tracker {
-            Some(_) => None,
-            None => userspace::duplicate(&stream)
-                .inspect_err(
-                    |err| tracing::warn!(%peer, %err, "cannot watch this client for closes"),
-                )
-                .ok(),
-        };
-        let service = {
-            let proxy = Arc::clone(&proxy);
-            let connection = Arc::clone(&connection);
-            service_fn(move |request| {
-                let proxy = Arc::clone(&proxy);
-                let connection = Arc::clone(&connection);
-                async move { Ok::<_, Infallible>(proxy.handle(request, &connection).await) }
-            })
-        };
-        let half_close = proxy.half_close_means_gone.load(Ordering::Relaxed);
-        let serving = http1::Builder::new()
-            .timer(TokioTimer::new())
-            .header_read_timeout(proxy.header_read_timeout)
-            .keep_alive(true)
-            // hyper, too, ends a connection whose client half-closed with a request pending,
-            // unless told that clients may half-close on purpose.
-            .half_close(!half_close)
-            .serve_connection(TokioIo::new(stream), service);
-        let serving = graceful.watch(serving);
-        let proxy = Arc::clone(&proxy);
-        tokio::spawn(async move {
-            let watch = async {
-                match watched {
-                    Some(socket) => userspace::watch(socket, &connection, half_close).await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                biased;
-                // The client left: dropping the connection drops its requests (reaped) and
-                // with them any upstream request in flight.
-                () = connection.gone() => {}
-                () = watch => {}
-                result = serving => {
-                    if let Err(err) = result {
-                        tracing::debug!(%peer, %err, "client connection ended with an error");
-                    }
-                }
-            }
-            proxy.connections.unregister(&connection);
-        });
-    }
-    drop(listener);
-    if tokio::time::timeout(grace, graceful.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!(
-            grace_ms = grace.as_millis(),
-            "connections still open after the grace period"
-        );
-    }
-}
-
-/// Resolves once `shutdown` is true (or its sender is gone).
-pub async fn stop_requested(shutdown: &mut watch::Receiver<bool>) {
-    // The guard wait_for returns is not Send: drop it here, not in the caller's select.
-    let _ = shutdown.wait_for(|stop| *stop).await;
-}
+#[cfg(test)]
+mod tests;

@@ -1,4 +1,6 @@
-//! The connection pool to the inference server, with connect and response timeouts.
+//! The connection pool to the inference server for pass-through requests and the watchers'
+//! polls, with connect and response timeouts. Queued requests use an exchange of their own
+//! (`exchange.rs`).
 
 use std::time::Duration;
 
@@ -14,8 +16,11 @@ use hyper_util::{
 use super::error::{ProxyError, full};
 use crate::config::{UpstreamConfig, upstream_authority};
 
+/// The error of any body guard relays.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
 /// Any request or response body guard relays.
-pub type Body = BoxBody<Bytes, hyper::Error>;
+pub type Body = BoxBody<Bytes, BoxError>;
 
 /// A keep-alive client for one upstream server.
 #[derive(Clone)]
@@ -49,12 +54,11 @@ impl Upstream {
             .map_err(|err| ProxyError::UpstreamUnreachable(error_chain(&err)))
     }
 
-    /// Sends a request whose body is in memory. A pooled connection that the server closed just
-    /// as guard reused it fails before any answer: llama-server shuts its side after each
-    /// streamed response although it advertises keep-alive, and the request behind it meets
-    /// the closed socket. That request is sent once more, on another connection: a server that
-    /// closes a connection without answering has not run what it read there, so nothing is
-    /// generated twice.
+    /// Sends a request whose body is in memory (bodiless pass-through requests, the watchers'
+    /// polls). A pooled connection that the server closed just as guard reused it fails before
+    /// any answer: llama-server shuts its side after each streamed response although it
+    /// advertises keep-alive, and the request behind it meets the closed socket. Such a request
+    /// (a GET, which runs nothing) is sent once more, on another connection.
     pub async fn send_buffered(
         &self,
         head: &http::request::Parts,
@@ -76,6 +80,32 @@ impl Upstream {
             result => result,
         }
         .map_err(|err| ProxyError::UpstreamUnreachable(error_chain(&err)))
+    }
+
+    /// A queued request as it goes to the upstream on an exchange of its own: origin-form
+    /// target, the upstream's Host, and without what belongs to the client's hop (the body
+    /// is already read, so an `Expect: 100-continue` has been answered).
+    pub fn for_exchange(
+        &self,
+        head: &http::request::Parts,
+        body: Bytes,
+    ) -> Result<Request<Body>, ProxyError> {
+        let target = head.uri.path_and_query().map_or("/", |p| p.as_str());
+        let mut request = Request::new(full(body));
+        *request.method_mut() = head.method.clone();
+        *request.uri_mut() = target
+            .parse()
+            .map_err(|err: http::uri::InvalidUri| ProxyError::BadRequest(err.to_string()))?;
+        *request.headers_mut() = head.headers.clone();
+        let headers = request.headers_mut();
+        strip_hop_by_hop(headers);
+        headers.remove(http::header::EXPECT);
+        headers.insert(
+            http::header::HOST,
+            http::HeaderValue::from_str(self.authority.as_str())
+                .map_err(|err| ProxyError::BadRequest(err.to_string()))?,
+        );
+        Ok(request)
     }
 
     /// Points `request` at the upstream and removes what belongs to the client's hop.
@@ -124,7 +154,7 @@ fn closed_before_answering(err: &ClientError) -> bool {
 }
 
 /// Headers that describe one hop, not the message (RFC 9110 section 7.6.1).
-fn strip_hop_by_hop(headers: &mut http::HeaderMap) {
+pub fn strip_hop_by_hop(headers: &mut http::HeaderMap) {
     const HOP_BY_HOP: &[&str] = &[
         "connection",
         "keep-alive",
@@ -141,7 +171,7 @@ fn strip_hop_by_hop(headers: &mut http::HeaderMap) {
 }
 
 /// The error and its causes on one line: hyper's top-level messages alone say little.
-fn error_chain(err: &dyn std::error::Error) -> String {
+pub fn error_chain(err: &dyn std::error::Error) -> String {
     let mut text = err.to_string();
     let mut source = err.source();
     while let Some(cause) = source {

@@ -5,6 +5,8 @@
 //! One mutex guards the whole state; every critical section is short and never awaits.
 
 pub mod estimator;
+mod progress;
+mod ticket;
 
 use std::{
     collections::{BTreeMap, HashMap, VecDeque},
@@ -16,21 +18,34 @@ use tokio::{sync::oneshot, time::Instant};
 
 use crate::{config::Config, metrics::Metrics};
 use estimator::{Estimator, predict_start};
+pub use progress::Progress;
+pub use ticket::{Permit, Ticket};
 
 /// Why a request is turned away with 503.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RejectReason {
     QueueFull,
-    Deadline,
+    /// On arrival: guard predicts it cannot start within its class's deadline.
+    DeadlinePredicted,
+    /// While waiting: its deadline passed.
+    DeadlineExpired,
     ShuttingDown,
 }
 
 impl RejectReason {
+    pub const ALL: [Self; 4] = [
+        Self::QueueFull,
+        Self::DeadlinePredicted,
+        Self::DeadlineExpired,
+        Self::ShuttingDown,
+    ];
+
     /// The label in metrics and the word in error messages.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::QueueFull => "queue_full",
-            Self::Deadline => "deadline",
+            Self::DeadlinePredicted => "deadline_predicted",
+            Self::DeadlineExpired => "deadline_expired",
             Self::ShuttingDown => "shutting_down",
         }
     }
@@ -41,8 +56,15 @@ impl RejectReason {
 pub struct Rejection {
     pub reason: RejectReason,
     pub retry_after: Duration,
-    /// Whether the request had been queued (true) or was turned away on arrival.
-    pub after_queueing: bool,
+}
+
+/// What the scheduler needs to know of a request to queue it.
+#[derive(Clone, Debug, Default)]
+pub struct Job {
+    pub class: String,
+    pub model: Option<String>,
+    /// The output tokens it asks for (`max_tokens` and kin), where it says.
+    pub tokens: Option<u64>,
 }
 
 /// A class's limits, from its config.
@@ -53,11 +75,15 @@ struct Limits {
     deadline: Option<Duration>,
 }
 
+/// What a waiter is told when its turn comes: the progress its relay will report.
+type Grant = Result<Arc<Progress>, RejectReason>;
+
 struct Waiter {
     id: u64,
     arrived: Instant,
     service: Duration,
-    grant: oneshot::Sender<Result<(), RejectReason>>,
+    tokens: Option<u64>,
+    grant: oneshot::Sender<Grant>,
 }
 
 struct ClassState {
@@ -71,6 +97,21 @@ struct ClassState {
 struct Running {
     started: Instant,
     expected: Duration,
+    tokens: Option<u64>,
+    progress: Arc<Progress>,
+}
+
+impl Running {
+    /// Time until it ends: from its own pace where it streams and said how many tokens it
+    /// wants, else from the estimate it was dispatched with.
+    fn remaining(&self, now: Instant) -> Duration {
+        if let (Some(asked), Some((done, per_token))) = (self.tokens, self.progress.pace()) {
+            let left = asked.saturating_sub(done) as f64;
+            return estimator::clamp_secs(per_token.as_secs_f64() * left);
+        }
+        self.expected
+            .saturating_sub(now.saturating_duration_since(self.started))
+    }
 }
 
 struct State {
@@ -91,7 +132,7 @@ pub struct Scheduler {
 }
 
 /// A class as /status shows it.
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct ClassSnapshot {
     pub name: String,
     pub priority: i32,
@@ -130,7 +171,8 @@ impl Scheduler {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Applies a (re)loaded config: limits change in place, queued requests stay queued.
+    /// Applies a (re)loaded config: limits change in place, queued requests stay queued, and
+    /// a lower `max_concurrency` lets running requests finish while nothing more starts.
     pub fn reconfigure(&self, config: &Config) {
         let mut state = self.lock();
         state.capacity = config.upstream.max_concurrency as usize;
@@ -146,19 +188,7 @@ impl Scheduler {
                 max_queue: class.max_queue,
                 deadline: class.deadline_ms.map(Duration::from_millis),
             };
-            match limits.deadline {
-                Some(deadline) => self
-                    .metrics
-                    .class_deadline_seconds
-                    .with_label_values(&[name])
-                    .set(deadline.as_secs_f64()),
-                None => {
-                    let _ = self
-                        .metrics
-                        .class_deadline_seconds
-                        .remove_label_values(&[name]);
-                }
-            }
+            self.metrics.set_deadline(name, limits.deadline);
             match state.classes.get_mut(name.as_str()) {
                 Some(existing) => {
                     existing.limits = limits;
@@ -176,51 +206,36 @@ impl Scheduler {
                 }
             }
         }
-        state
-            .classes
-            .retain(|_, class| !class.retired || !class.queue.is_empty() || class.running > 0);
+        state.forget_drained();
         self.dispatch(&mut state);
     }
 
-    /// Admits a request of `class` into its queue, or says why not. The returned ticket
+    /// Admits a request into its class's queue, or says why not. The returned ticket
     /// resolves to a permit when it is this request's turn.
-    pub fn enqueue(
-        self: &Arc<Self>,
-        class: &str,
-        model: Option<&str>,
-    ) -> Result<Ticket, Rejection> {
+    pub fn enqueue(self: &Arc<Self>, job: Job) -> Result<Ticket, Rejection> {
         let now = Instant::now();
         let mut state = self.lock();
-        let reject = |reason, retry_after| Rejection {
-            reason,
-            retry_after,
-            after_queueing: false,
-        };
-        if state.shutting_down {
-            return Err(reject(RejectReason::ShuttingDown, Duration::from_secs(1)));
-        }
-        let Some((name, class_state)) = state.classes.get_key_value(class) else {
-            // The classifier only names configured classes; a reload may have raced it.
-            return Err(reject(RejectReason::ShuttingDown, Duration::from_secs(1)));
-        };
-        let name = Arc::clone(name);
-        let limits = class_state.limits.clone();
-        if class_state.retired {
-            return Err(reject(RejectReason::ShuttingDown, Duration::from_secs(1)));
-        }
-        if class_state.queue.len() >= limits.max_queue {
-            let head_starts = state.predict_start(now, &name, 0);
-            return Err(reject(RejectReason::QueueFull, head_starts));
-        }
-        let position = class_state.queue.len();
+        let (name, limits) = state.open_class(&job.class)?;
+        let position = state.classes.get(&name).map_or(0, |c| c.queue.len());
         let starts = state.predict_start(now, &name, position);
+        if position >= limits.max_queue && !state.starts_now(&name) {
+            let head_starts = state.predict_start(now, &name, 0);
+            return Err(Rejection {
+                reason: RejectReason::QueueFull,
+                retry_after: head_starts,
+            });
+        }
         if let Some(deadline) = limits.deadline
             && starts > deadline
         {
-            return Err(reject(RejectReason::Deadline, starts - deadline));
+            return Err(Rejection {
+                reason: RejectReason::DeadlinePredicted,
+                retry_after: starts - deadline,
+            });
         }
-
-        let service = state.estimator.service_time(&name, model);
+        let service = state
+            .estimator
+            .service_time(&name, job.model.as_deref(), job.tokens);
         let id = state.next_id;
         state.next_id += 1;
         let (grant, granted) = oneshot::channel();
@@ -229,65 +244,62 @@ impl Scheduler {
                 id,
                 arrived: now,
                 service,
+                tokens: job.tokens,
                 grant,
             });
         }
-        self.dispatch(&mut state);
         self.publish(&state, &name);
-        Ok(Ticket {
-            scheduler: Arc::clone(self),
+        self.dispatch(&mut state);
+        Ok(Ticket::new(
+            Arc::clone(self),
             id,
-            class: name,
-            model: model.map(str::to_owned),
-            arrived: now,
-            deadline: limits.deadline.map(|d| now + d),
-            granted: Some(granted),
-        })
+            name,
+            job,
+            ticket::Times {
+                arrived: now,
+                predicted: starts,
+                deadline: limits.deadline,
+            },
+            granted,
+        ))
     }
 
     /// Starts as many waiting requests as there are free permits, highest priority first.
     fn dispatch(&self, state: &mut State) {
         while state.running.len() < state.capacity {
-            let hold_above = state.hold_above;
-            let next = state
+            let Some(name) = state.next_to_dispatch() else {
+                break;
+            };
+            let Some(waiter) = state
                 .classes
-                .iter()
-                .filter(|(_, class)| !class.queue.is_empty())
-                .filter(|(_, class)| hold_above.is_none_or(|level| class.limits.priority <= level))
-                .min_by_key(|(_, class)| {
-                    (
-                        class.limits.priority,
-                        class.queue.front().map(|w| w.arrived),
-                    )
-                })
-                .map(|(name, _)| Arc::clone(name));
-            let Some(name) = next else { break };
-            let Some(class) = state.classes.get_mut(&name) else {
+                .get_mut(&name)
+                .and_then(|class| class.queue.pop_front())
+            else {
                 break;
             };
-            let Some(waiter) = class.queue.pop_front() else {
-                break;
-            };
-            if waiter.grant.send(Ok(())).is_ok() {
-                class.running += 1;
+            let now = Instant::now();
+            let progress = Arc::new(Progress::new(now));
+            // A waiter whose ticket is gone takes nothing.
+            if waiter.grant.send(Ok(Arc::clone(&progress))).is_ok() {
+                if let Some(class) = state.classes.get_mut(&name) {
+                    class.running += 1;
+                }
                 state.running.insert(
                     waiter.id,
                     Running {
-                        started: Instant::now(),
+                        started: now,
                         expected: waiter.service,
+                        tokens: waiter.tokens,
+                        progress,
                     },
                 );
-                self.metrics
-                    .queue_wait_seconds
-                    .with_label_values(&[&name])
-                    .observe(waiter.arrived.elapsed().as_secs_f64());
             }
             self.publish(state, &name);
         }
     }
 
-    /// Frees a permit and starts the next request.
-    fn release(&self, id: u64, class: &str, completed: Option<(Option<&str>, Duration)>) {
+    /// Frees a permit and starts the next request; a completed one teaches the estimator.
+    fn release(&self, id: u64, class: &str, completed: Option<(&Job, Duration)>) {
         let mut state = self.lock();
         if state.running.remove(&id).is_none() {
             return;
@@ -295,14 +307,14 @@ impl Scheduler {
         if let Some(class_state) = state.classes.get_mut(class) {
             class_state.running = class_state.running.saturating_sub(1);
         }
-        if let Some((model, took)) = completed {
-            state.estimator.record(class, model, took);
+        if let Some((job, took)) = completed {
+            state
+                .estimator
+                .record(class, job.model.as_deref(), job.tokens, took);
         }
         self.publish(&state, class);
         self.dispatch(&mut state);
-        state
-            .classes
-            .retain(|_, class| !class.retired || !class.queue.is_empty() || class.running > 0);
+        state.forget_drained();
     }
 
     /// Takes a waiting request out of its queue; false if it was not there (already granted).
@@ -318,6 +330,11 @@ impl Scheduler {
             self.publish(&state, class);
         }
         removed
+    }
+
+    /// When a request of `class` at the head of its queue would start (for Retry-After).
+    fn head_start(&self, class: &str) -> Duration {
+        self.lock().predict_start(Instant::now(), class, 0)
     }
 
     /// Turns every waiting request away (shutting_down) and refuses new ones.
@@ -378,9 +395,7 @@ impl Scheduler {
                 deadline_ms: class.limits.deadline.map(|d| d.as_millis() as u64),
                 queued: class.queue.len(),
                 running: class.running,
-                held: state
-                    .hold_above
-                    .is_some_and(|level| class.limits.priority > level),
+                held: state.is_held(class),
                 retired: class.retired,
                 predicted_wait_ms: state
                     .predict_start(now, name, class.queue.len())
@@ -392,169 +407,96 @@ impl Scheduler {
     fn publish(&self, state: &State, class: &str) {
         if let Some(class_state) = state.classes.get(class) {
             self.metrics
-                .queue_depth
-                .with_label_values(&[class])
-                .set(class_state.queue.len() as i64);
-            self.metrics
-                .inflight
-                .with_label_values(&[class])
-                .set(class_state.running as i64);
+                .publish_class(class, class_state.queue.len(), class_state.running);
         }
     }
 }
 
 impl State {
+    /// The class a new request may join, with its limits; or why it may not.
+    fn open_class(&self, class: &str) -> Result<(Arc<str>, Limits), Rejection> {
+        let closed = Rejection {
+            reason: RejectReason::ShuttingDown,
+            retry_after: Duration::from_secs(1),
+        };
+        if self.shutting_down {
+            return Err(closed);
+        }
+        // The classifier names only configured classes; a reload may have raced it.
+        match self.classes.get_key_value(class) {
+            Some((name, state)) if !state.retired => Ok((Arc::clone(name), state.limits.clone())),
+            _ => Err(closed),
+        }
+    }
+
+    fn is_held(&self, class: &ClassState) -> bool {
+        self.hold_above
+            .is_some_and(|level| class.limits.priority > level)
+    }
+
+    /// The class whose head goes next: the lowest priority value, the earliest arrival.
+    fn next_to_dispatch(&self) -> Option<Arc<str>> {
+        self.classes
+            .iter()
+            .filter(|(_, class)| !class.queue.is_empty() && !self.is_held(class))
+            .min_by_key(|(_, class)| {
+                (
+                    class.limits.priority,
+                    class.queue.front().map(|w| w.arrived),
+                )
+            })
+            .map(|(name, _)| Arc::clone(name))
+    }
+
+    /// Whether a request of `class` arriving now would be dispatched at once.
+    fn starts_now(&self, class: &str) -> bool {
+        let Some(own) = self.classes.get(class) else {
+            return false;
+        };
+        self.running.len() < self.capacity
+            && !self.is_held(own)
+            && !self
+                .classes
+                .values()
+                .any(|c| c.limits.priority <= own.limits.priority && !c.queue.is_empty())
+    }
+
     /// When a request at `position` in `class`'s queue would start: after what runs now and
-    /// everything dispatched before it (higher priorities, and its class's requests ahead).
+    /// the waiting work dispatched before it (classes of equal or higher priority, and its own
+    /// class's requests ahead of it), each at its estimate.
     fn predict_start(&self, now: Instant, class: &str, position: usize) -> Duration {
         let Some(own) = self.classes.get(class) else {
             return Duration::ZERO;
         };
-        let remaining = self.running.values().map(|running| {
-            running
-                .expected
-                .saturating_sub(now.saturating_duration_since(running.started))
-        });
-        let higher = self
+        let remaining = self.running.values().map(|running| running.remaining(now));
+        let mut ahead: Vec<(i32, Instant, Duration)> = self
             .classes
             .iter()
-            .filter(|(name, c)| c.limits.priority < own.limits.priority && name.as_ref() != class)
-            .flat_map(|(_, c)| c.queue.iter().map(|w| w.service));
-        let own_ahead = own.queue.iter().take(position).map(|w| w.service);
-        predict_start(self.capacity, remaining, higher.chain(own_ahead))
-    }
-}
-
-/// A queued request's place in line. Dropping it (the client left) takes it out of the queue,
-/// or hands back a permit that arrived meanwhile.
-pub struct Ticket {
-    scheduler: Arc<Scheduler>,
-    id: u64,
-    class: Arc<str>,
-    model: Option<String>,
-    arrived: Instant,
-    deadline: Option<Instant>,
-    granted: Option<oneshot::Receiver<Result<(), RejectReason>>>,
-}
-
-impl Ticket {
-    /// Waits for this request's turn; past its deadline it leaves the queue with a rejection.
-    pub async fn wait(mut self) -> Result<Permit, Rejection> {
-        let Some(granted) = self.granted.as_mut() else {
-            return Err(self.rejection(RejectReason::ShuttingDown));
-        };
-        let outcome = match self.deadline {
-            Some(deadline) => tokio::select! {
-                outcome = granted => Some(outcome),
-                () = tokio::time::sleep_until(deadline) => None,
-            },
-            None => Some(granted.await),
-        };
-        let outcome = match outcome {
-            Some(outcome) => outcome,
-            None if self.scheduler.remove(self.id, &self.class) => {
-                self.granted = None;
-                return Err(self.rejection(RejectReason::Deadline));
-            }
-            // The permit was sent as the deadline passed: take it.
-            None => match self.granted.as_mut().map(oneshot::Receiver::try_recv) {
-                Some(Ok(outcome)) => Ok(outcome),
-                _ => Ok(Err(RejectReason::Deadline)),
-            },
-        };
-        self.granted = None;
-        match outcome {
-            Ok(Ok(())) => Ok(Permit {
-                scheduler: Arc::clone(&self.scheduler),
-                id: self.id,
-                class: Arc::clone(&self.class),
-                model: self.model.take(),
-                waited: self.arrived.elapsed(),
-                dispatched: Instant::now(),
-                released: false,
-            }),
-            Ok(Err(reason)) => Err(self.rejection(reason)),
-            Err(_) => Err(self.rejection(RejectReason::ShuttingDown)),
-        }
+            .filter(|(name, c)| c.limits.priority <= own.limits.priority && name.as_ref() != class)
+            .flat_map(|(_, c)| {
+                c.queue
+                    .iter()
+                    .map(|w| (c.limits.priority, w.arrived, w.service))
+            })
+            .chain(
+                own.queue
+                    .iter()
+                    .take(position)
+                    .map(|w| (own.limits.priority, w.arrived, w.service)),
+            )
+            .collect();
+        ahead.sort_by_key(|(priority, arrived, _)| (*priority, *arrived));
+        predict_start(
+            self.capacity,
+            remaining,
+            ahead.into_iter().map(|(_, _, service)| service),
+        )
     }
 
-    fn rejection(&self, reason: RejectReason) -> Rejection {
-        let retry_after = {
-            let state = self.scheduler.lock();
-            state.predict_start(Instant::now(), &self.class, 0)
-        };
-        Rejection {
-            reason,
-            retry_after,
-            after_queueing: true,
-        }
-    }
-}
-
-impl std::fmt::Debug for Ticket {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ticket")
-            .field("id", &self.id)
-            .field("class", &self.class)
-            .finish_non_exhaustive()
-    }
-}
-
-impl std::fmt::Debug for Permit {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Permit")
-            .field("id", &self.id)
-            .field("class", &self.class)
-            .finish_non_exhaustive()
-    }
-}
-
-impl Drop for Ticket {
-    fn drop(&mut self) {
-        let Some(mut granted) = self.granted.take() else {
-            return;
-        };
-        if self.scheduler.remove(self.id, &self.class) {
-            return;
-        }
-        // Not queued any more: a permit may be waiting in the channel; give it back.
-        if let Ok(Ok(())) = granted.try_recv() {
-            self.scheduler.release(self.id, &self.class, None);
-        }
-    }
-}
-
-/// The right to have one request at the upstream. Dropping it frees the slot.
-pub struct Permit {
-    scheduler: Arc<Scheduler>,
-    id: u64,
-    class: Arc<str>,
-    model: Option<String>,
-    waited: Duration,
-    dispatched: Instant,
-    released: bool,
-}
-
-impl Permit {
-    /// Time from arrival to dispatch.
-    pub fn waited(&self) -> Duration {
-        self.waited
-    }
-
-    /// Frees the slot and teaches the estimator how long this request took.
-    pub fn complete(mut self) {
-        self.released = true;
-        let took = self.dispatched.elapsed();
-        self.scheduler
-            .release(self.id, &self.class, Some((self.model.as_deref(), took)));
-    }
-}
-
-impl Drop for Permit {
-    fn drop(&mut self) {
-        if !self.released {
-            self.scheduler.release(self.id, &self.class, None);
-        }
+    /// Drops classes a reload removed once nothing of theirs waits or runs.
+    fn forget_drained(&mut self) {
+        self.classes
+            .retain(|_, class| !class.retired || !class.queue.is_empty() || class.running > 0);
     }
 }
 

@@ -13,24 +13,11 @@ fn config(capacity: u32) -> Config {
     config.estimate.initial_service_ms = 1_000;
     config.class.insert(
         "interactive".to_owned(),
-        ClassConfig {
-            priority: 0,
-            max_queue: 3,
-            deadline_ms: Some(2_500),
-            cgroup: None,
-            throttle: None,
-        },
+        ClassConfig::new(0, 3, Some(2_500)),
     );
-    config.class.insert(
-        "batch".to_owned(),
-        ClassConfig {
-            priority: 10,
-            max_queue: 2,
-            deadline_ms: None,
-            cgroup: None,
-            throttle: None,
-        },
-    );
+    config
+        .class
+        .insert("batch".to_owned(), ClassConfig::new(10, 2, None));
     config
 }
 
@@ -44,16 +31,24 @@ async fn granted(ticket: Ticket) -> Permit {
 
 /// Whether the ticket's permit has been sent (without waiting for it).
 fn is_granted(ticket: &mut Ticket) -> bool {
-    ticket.granted.as_mut().is_some_and(|rx| !rx.is_empty())
+    ticket.is_granted()
+}
+
+fn job(class: &str, model: Option<&str>) -> Job {
+    Job {
+        class: class.to_owned(),
+        model: model.map(str::to_owned),
+        tokens: None,
+    }
 }
 
 #[tokio::test(start_paused = true)]
 async fn higher_priority_goes_first_fifo_within_a_class() {
     let scheduler = scheduler(1);
-    let running = granted(scheduler.enqueue("batch", None).expect("admit")).await;
-    let mut batch = scheduler.enqueue("batch", None).expect("admit");
-    let mut first = scheduler.enqueue("interactive", None).expect("admit");
-    let mut second = scheduler.enqueue("interactive", None).expect("admit");
+    let running = granted(scheduler.enqueue(job("batch", None)).expect("admit")).await;
+    let mut batch = scheduler.enqueue(job("batch", None)).expect("admit");
+    let mut first = scheduler.enqueue(job("interactive", None)).expect("admit");
+    let mut second = scheduler.enqueue(job("interactive", None)).expect("admit");
     assert!(!is_granted(&mut batch) && !is_granted(&mut first));
 
     drop(running);
@@ -76,48 +71,46 @@ async fn higher_priority_goes_first_fifo_within_a_class() {
 #[tokio::test(start_paused = true)]
 async fn a_full_class_is_refused_with_a_retry_hint() {
     let scheduler = scheduler(1);
-    let _running = granted(scheduler.enqueue("batch", None).expect("admit")).await;
-    let _a = scheduler.enqueue("batch", None).expect("admit");
-    let _b = scheduler.enqueue("batch", None).expect("admit");
-    let rejection = scheduler.enqueue("batch", None).expect_err("full");
+    let _running = granted(scheduler.enqueue(job("batch", None)).expect("admit")).await;
+    let _a = scheduler.enqueue(job("batch", None)).expect("admit");
+    let _b = scheduler.enqueue(job("batch", None)).expect("admit");
+    let rejection = scheduler.enqueue(job("batch", None)).expect_err("full");
     assert_eq!(rejection.reason, RejectReason::QueueFull);
-    assert!(!rejection.after_queueing);
     // The head of the batch queue starts when the running request ends: in one second.
     assert_eq!(rejection.retry_after, SECOND);
     // Another class is not affected.
-    assert!(scheduler.enqueue("interactive", None).is_ok());
+    assert!(scheduler.enqueue(job("interactive", None)).is_ok());
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_deadline_that_cannot_be_met_is_refused_on_arrival() {
     let scheduler = scheduler(1);
-    let _running = granted(scheduler.enqueue("interactive", None).expect("admit")).await;
+    let _running = granted(scheduler.enqueue(job("interactive", None)).expect("admit")).await;
     // Each takes about a second (the prior); the deadline is 2.5 s.
     let _a = scheduler
-        .enqueue("interactive", None)
+        .enqueue(job("interactive", None))
         .expect("starts at 1 s");
     let _b = scheduler
-        .enqueue("interactive", None)
+        .enqueue(job("interactive", None))
         .expect("starts at 2 s");
     let rejection = scheduler
-        .enqueue("interactive", None)
+        .enqueue(job("interactive", None))
         .expect_err("would start at 3 s");
-    assert_eq!(rejection.reason, RejectReason::Deadline);
+    assert_eq!(rejection.reason, RejectReason::DeadlinePredicted);
     assert_eq!(rejection.retry_after, Duration::from_millis(500));
     // Time passes: the running request's remaining time shrinks, so the prediction does too.
     tokio::time::advance(Duration::from_millis(600)).await;
-    assert!(scheduler.enqueue("interactive", None).is_ok());
+    assert!(scheduler.enqueue(job("interactive", None)).is_ok());
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_waiting_request_past_its_deadline_leaves_the_queue() {
     let scheduler = scheduler(1);
-    let running = granted(scheduler.enqueue("interactive", None).expect("admit")).await;
-    let waiting = scheduler.enqueue("interactive", None).expect("admit");
+    let running = granted(scheduler.enqueue(job("interactive", None)).expect("admit")).await;
+    let waiting = scheduler.enqueue(job("interactive", None)).expect("admit");
     let started = Instant::now();
     let rejection = waiting.wait().await.expect_err("deadline passes");
-    assert_eq!(rejection.reason, RejectReason::Deadline);
-    assert!(rejection.after_queueing);
+    assert_eq!(rejection.reason, RejectReason::DeadlineExpired);
     assert_eq!(started.elapsed(), Duration::from_millis(2_500));
     assert_eq!(scheduler.load(), (0, 1), "out of the queue");
     drop(running);
@@ -127,8 +120,8 @@ async fn a_waiting_request_past_its_deadline_leaves_the_queue() {
 #[tokio::test(start_paused = true)]
 async fn a_dropped_ticket_leaves_the_queue_and_a_late_permit_is_returned() {
     let scheduler = scheduler(1);
-    let running = granted(scheduler.enqueue("batch", None).expect("admit")).await;
-    let gone = scheduler.enqueue("batch", None).expect("admit");
+    let running = granted(scheduler.enqueue(job("batch", None)).expect("admit")).await;
+    let gone = scheduler.enqueue(job("batch", None)).expect("admit");
     drop(gone);
     assert_eq!(
         scheduler.load(),
@@ -137,8 +130,8 @@ async fn a_dropped_ticket_leaves_the_queue_and_a_late_permit_is_returned() {
     );
 
     // Granted, then dropped before it was taken: the slot must come back.
-    let mut unlucky = scheduler.enqueue("batch", None).expect("admit");
-    let mut next = scheduler.enqueue("batch", None).expect("admit");
+    let mut unlucky = scheduler.enqueue(job("batch", None)).expect("admit");
+    let mut next = scheduler.enqueue(job("batch", None)).expect("admit");
     drop(running);
     assert!(is_granted(&mut unlucky));
     drop(unlucky);
@@ -153,14 +146,28 @@ async fn a_dropped_ticket_leaves_the_queue_and_a_late_permit_is_returned() {
 async fn the_estimate_learns_from_completions() {
     let scheduler = scheduler(1);
     for _ in 0..5 {
-        let permit = granted(scheduler.enqueue("interactive", Some("m")).expect("admit")).await;
+        let permit = granted(
+            scheduler
+                .enqueue(job("interactive", Some("m")))
+                .expect("admit"),
+        )
+        .await;
         tokio::time::advance(Duration::from_millis(200)).await;
         permit.complete();
     }
-    let _running = granted(scheduler.enqueue("interactive", Some("m")).expect("admit")).await;
+    let _running = granted(
+        scheduler
+            .enqueue(job("interactive", Some("m")))
+            .expect("admit"),
+    )
+    .await;
     // At 0.2 s each, many fit within the 2.5 s deadline; the 1 s prior would allow two.
     let admitted: Vec<_> = (0..3)
-        .map(|_| scheduler.enqueue("interactive", Some("m")).expect("fits"))
+        .map(|_| {
+            scheduler
+                .enqueue(job("interactive", Some("m")))
+                .expect("fits")
+        })
         .collect();
     assert_eq!(admitted.len(), 3);
     let snapshot = scheduler.snapshot();
@@ -174,13 +181,13 @@ async fn the_estimate_learns_from_completions() {
 #[tokio::test(start_paused = true)]
 async fn shutting_down_turns_waiters_and_newcomers_away() {
     let scheduler = scheduler(1);
-    let _running = granted(scheduler.enqueue("batch", None).expect("admit")).await;
-    let waiting = scheduler.enqueue("batch", None).expect("admit");
+    let _running = granted(scheduler.enqueue(job("batch", None)).expect("admit")).await;
+    let waiting = scheduler.enqueue(job("batch", None)).expect("admit");
     scheduler.shut_down();
     let rejection = waiting.wait().await.expect_err("rejected");
     assert_eq!(rejection.reason, RejectReason::ShuttingDown);
     let newcomer = scheduler
-        .enqueue("interactive", None)
+        .enqueue(job("interactive", None))
         .expect_err("rejected");
     assert_eq!(newcomer.reason, RejectReason::ShuttingDown);
 }
@@ -189,12 +196,12 @@ async fn shutting_down_turns_waiters_and_newcomers_away() {
 async fn held_classes_wait_until_the_hold_lifts() {
     let scheduler = scheduler(2);
     scheduler.hold_above(Some(0));
-    let mut batch = scheduler.enqueue("batch", None).expect("admit");
+    let mut batch = scheduler.enqueue(job("batch", None)).expect("admit");
     assert!(
         !is_granted(&mut batch),
         "held while at risk, though a slot is free"
     );
-    let _interactive = granted(scheduler.enqueue("interactive", None).expect("admit")).await;
+    let _interactive = granted(scheduler.enqueue(job("interactive", None)).expect("admit")).await;
     scheduler.hold_above(None);
     assert!(is_granted(&mut batch));
 }
@@ -202,8 +209,8 @@ async fn held_classes_wait_until_the_hold_lifts() {
 #[tokio::test(start_paused = true)]
 async fn reload_changes_limits_and_keeps_the_queue() {
     let scheduler = scheduler(1);
-    let running = granted(scheduler.enqueue("batch", None).expect("admit")).await;
-    let mut waiting = scheduler.enqueue("batch", None).expect("admit");
+    let running = granted(scheduler.enqueue(job("batch", None)).expect("admit")).await;
+    let mut waiting = scheduler.enqueue(job("batch", None)).expect("admit");
     let mut next = config(2);
     next.class.remove("batch");
     scheduler.reconfigure(&next);
@@ -211,7 +218,9 @@ async fn reload_changes_limits_and_keeps_the_queue() {
         is_granted(&mut waiting),
         "capacity grew: the queued request starts"
     );
-    let refused = scheduler.enqueue("batch", None).expect_err("class removed");
+    let refused = scheduler
+        .enqueue(job("batch", None))
+        .expect_err("class removed");
     assert_eq!(refused.reason, RejectReason::ShuttingDown);
     drop(running);
     drop(granted(waiting).await);

@@ -23,15 +23,21 @@ pub struct Connection {
 }
 
 impl Connection {
-    /// Resolves when the client is known to have left; the connection's task then drops its
-    /// requests (which counts them as reaped) and closes the socket.
+    /// Resolves when the client is known to have left or the connection has ended: the
+    /// connection's task then closes the socket, and each request on it concludes.
     pub async fn gone(&self) {
         self.cancel.cancelled().await;
     }
 
-    /// Whether the client is known to have left.
+    /// Whether the client is known to have left or the connection has ended.
     pub fn is_gone(&self) -> bool {
         self.cancel.is_cancelled()
+    }
+
+    /// Ends the connection from guard's side (it ended, or guard cuts a client that stopped
+    /// reading); unlike `mark_gone` no departure time is recorded.
+    pub fn end(&self) {
+        self.cancel.cancel();
     }
 
     /// When the client left, by the kernel's clock, if it has.

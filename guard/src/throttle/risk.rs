@@ -1,4 +1,4 @@
-//! The risk detector of DESIGN section 8: are protected classes' deadlines at risk? Each
+//! The risk detector of docs/design.md §8: are protected classes' deadlines at risk? Each
 //! signal has a threshold; a signal that is on stays on until it falls below 80 % of its
 //! threshold (hysteresis), and guard lifts its holds only after every signal has been clear
 //! for `risk.hold_ms`.

@@ -1,0 +1,265 @@
+//! What the types alone cannot check: every limit and duration within a range that means what
+//! `deploy/guard.example.toml` says, names that exist, patterns that compile.
+
+use super::{Config, RuleConfig, parse_cidr, upstream_authority};
+
+/// The longest duration any `_ms` key may name: a week. Longer is surely a typo, and keeps
+/// every deadline guard computes far from overflow.
+pub const MAX_MS: u64 = 7 * 24 * 3_600_000;
+/// More upstream slots than this is not a machine guard can protect.
+pub const MAX_CONCURRENCY: u64 = 65_536;
+/// A class queue longer than this holds more clients than one host can keep connected.
+pub const MAX_QUEUE: u64 = 1_000_000;
+/// A request body over this is not a generation request.
+pub const MAX_BODY_BYTES: u64 = 1 << 30;
+
+/// An offending key and why.
+type Invalid = (String, String);
+
+/// One integer key and the range it must lie in.
+struct Range {
+    key: String,
+    value: u64,
+    min: u64,
+    max: u64,
+}
+
+impl Range {
+    fn new(key: impl Into<String>, value: u64, min: u64, max: u64) -> Self {
+        Self {
+            key: key.into(),
+            value,
+            min,
+            max,
+        }
+    }
+
+    fn check(self) -> Result<(), Invalid> {
+        if (self.min..=self.max).contains(&self.value) {
+            return Ok(());
+        }
+        Err((
+            self.key,
+            format!(
+                "{} is out of range: use {} to {}",
+                self.value, self.min, self.max
+            ),
+        ))
+    }
+}
+
+impl Config {
+    /// Checks what the types alone cannot; returns the offending key and why.
+    pub(super) fn validate(&self) -> Result<(), Invalid> {
+        let fail = |key: &str, message: String| Err((key.to_owned(), message));
+        if let Err(message) = upstream_authority(&self.upstream.url) {
+            return fail("upstream.url", message);
+        }
+        if self.server.listen == self.metrics.listen {
+            return fail(
+                "metrics.listen",
+                format!("{} is already server.listen", self.metrics.listen),
+            );
+        }
+        for range in self.ranges() {
+            range.check()?;
+        }
+        self.check_risk()?;
+        self.check_classes()?;
+        self.check_rules()
+    }
+
+    /// Every integer limit outside the classes, with its range.
+    fn ranges(&self) -> Vec<Range> {
+        let (server, upstream) = (&self.server, &self.upstream);
+        vec![
+            Range::new(
+                "server.header_read_timeout_ms",
+                server.header_read_timeout_ms,
+                1,
+                MAX_MS,
+            ),
+            Range::new(
+                "server.body_limit_bytes",
+                server.body_limit_bytes,
+                1,
+                MAX_BODY_BYTES,
+            ),
+            Range::new("server.drain_grace_ms", server.drain_grace_ms, 0, MAX_MS),
+            Range::new(
+                "upstream.max_concurrency",
+                u64::from(upstream.max_concurrency),
+                1,
+                MAX_CONCURRENCY,
+            ),
+            Range::new(
+                "upstream.connect_timeout_ms",
+                upstream.connect_timeout_ms,
+                1,
+                MAX_MS,
+            ),
+            Range::new(
+                "upstream.response_timeout_ms",
+                upstream.response_timeout_ms,
+                1,
+                MAX_MS,
+            ),
+            Range::new(
+                "estimate.initial_service_ms",
+                self.estimate.initial_service_ms,
+                0,
+                MAX_MS,
+            ),
+            Range::new("watch.interval_ms", self.watch.interval_ms, 100, MAX_MS),
+            Range::new("watch.cold_load_ms", self.watch.cold_load_ms, 0, MAX_MS),
+            Range::new("risk.hold_ms", self.risk.hold_ms, 0, MAX_MS),
+            Range::new(
+                "risk.ttft_min_samples",
+                self.risk.ttft_min_samples as u64,
+                0,
+                1_000,
+            ),
+        ]
+    }
+
+    fn check_risk(&self) -> Result<(), Invalid> {
+        for (key, value) in [
+            ("risk.wait_fraction", self.risk.wait_fraction),
+            ("risk.memory_pressure", self.risk.memory_pressure),
+            ("risk.gpu_memory", self.risk.gpu_memory),
+        ] {
+            // NaN fails both comparisons.
+            if !(value > 0.0 && value <= 1.0) {
+                return Err((key.to_owned(), format!("{value} is not in (0, 1]")));
+            }
+        }
+        let rate = self.risk.swap_in_pages_per_second;
+        if !(rate.is_finite() && rate >= 0.0) {
+            return Err((
+                "risk.swap_in_pages_per_second".to_owned(),
+                format!("{rate} is not a rate: use 0 or more"),
+            ));
+        }
+        if !self.risk.state_dir.is_absolute() {
+            return Err((
+                "risk.state_dir".to_owned(),
+                "must be an absolute path".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_classes(&self) -> Result<(), Invalid> {
+        if self.class.is_empty() {
+            return Err((
+                "class".to_owned(),
+                "at least one class is needed".to_owned(),
+            ));
+        }
+        for (name, class) in &self.class {
+            let key = |field: &str| format!("class.{name}.{field}");
+            let valid_name = name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
+            if !valid_name || name.is_empty() || name.len() > 64 {
+                return Err((
+                    format!("class.{name}"),
+                    "class names use 1 to 64 of a-z, 0-9, '_' and '-'".to_owned(),
+                ));
+            }
+            let mut ranges = vec![
+                Range::new(key("max_queue"), class.max_queue as u64, 0, MAX_QUEUE),
+                Range::new(
+                    key("body_read_timeout_ms"),
+                    class.body_read_timeout_ms,
+                    1,
+                    MAX_MS,
+                ),
+                Range::new(key("upstream_idle_ms"), class.upstream_idle_ms, 1, MAX_MS),
+                Range::new(key("client_stall_ms"), class.client_stall_ms, 1, MAX_MS),
+            ];
+            for (field, value) in [
+                ("deadline_ms", class.deadline_ms),
+                ("max_duration_ms", class.max_duration_ms),
+            ] {
+                if let Some(value) = value {
+                    ranges.push(Range::new(key(field), value, 1, MAX_MS));
+                }
+            }
+            for range in ranges {
+                range.check()?;
+            }
+            if let Some(cgroup) = &class.cgroup
+                && !cgroup.is_absolute()
+            {
+                return Err((
+                    key("cgroup"),
+                    format!("{} is not an absolute path", cgroup.display()),
+                ));
+            }
+            if class.throttle.is_some() && class.cgroup.is_none() {
+                return Err((
+                    key("throttle"),
+                    "throttle needs class.NAME.cgroup".to_owned(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn check_rules(&self) -> Result<(), Invalid> {
+        let known = self.class_names();
+        if !self.class.contains_key(&self.classify.default) {
+            return Err((
+                "classify.default".to_owned(),
+                format!(
+                    "unknown class `{}`: known are {known}",
+                    self.classify.default
+                ),
+            ));
+        }
+        for (index, rule) in self.classify.rule.iter().enumerate() {
+            let key = |field: &str| format!("classify.rule[{index}].{field}");
+            if !self.class.contains_key(&rule.class) {
+                return Err((
+                    key("class"),
+                    format!("unknown class `{}`: known are {known}", rule.class),
+                ));
+            }
+            if let Err((field, message)) = rule.check() {
+                return Err((key(field), message));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl RuleConfig {
+    /// Checks that the rule matches on something and that its patterns compile.
+    fn check(&self) -> Result<(), (&'static str, String)> {
+        let matchers = [
+            &self.path_prefix,
+            &self.model,
+            &self.bearer,
+            &self.user_agent,
+            &self.source,
+            &self.cgroup_prefix,
+        ];
+        if matchers.iter().all(|m| m.is_none()) {
+            return Err((
+                "class",
+                "a rule needs one of path_prefix, model, bearer, user_agent, source, cgroup_prefix"
+                    .to_owned(),
+            ));
+        }
+        for (field, glob) in [("model", &self.model), ("user_agent", &self.user_agent)] {
+            if let Some(glob) = glob {
+                globset::Glob::new(glob).map_err(|err| (field, err.to_string()))?;
+            }
+        }
+        if let Some(source) = &self.source {
+            parse_cidr(source).map_err(|err| ("source", err))?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,308 @@
+//! A request to a generation endpoint, owned by one value from arrival to its one outcome.
+//!
+//! `handle` spawns the owner's task and waits for the response head it sends back. hyper may
+//! drop that wait (its connection ended) without touching the owner, which notices through
+//! its connection (`Connection::gone`) and concludes. The owner holds the class, the permit,
+//! the upstream exchange and the way back to the client; `conclude` is the only place that
+//! ends the exchange, returns the permit and records the outcome, in that order.
+
+mod phases;
+mod relay;
+
+use std::{sync::Arc, time::Duration};
+
+use http::{HeaderValue, Request, Response};
+use hyper::body::Incoming;
+use tokio::{sync::oneshot, time::Instant};
+
+use super::{
+    Body, Proxy, Settings,
+    error::{ErrorShape, ProxyError},
+    error_shape,
+    exchange::Exchange,
+    outcome::{Facts, FailKind, Outcome, Stage, Timeout},
+};
+use crate::{
+    config::ClassTimeouts,
+    queue::Permit,
+    reap::{event::monotonic_now, registry::Connection},
+};
+
+/// Serves one request to a queued endpoint: its owner runs on a task of its own.
+pub(super) async fn handle(
+    proxy: Arc<Proxy>,
+    settings: Arc<Settings>,
+    request: Request<Incoming>,
+    connection: &Arc<Connection>,
+) -> Response<Body> {
+    let shape = error_shape(request.uri().path(), settings.api);
+    let (respond, response) = oneshot::channel();
+    let owner = QueuedRequest::new(proxy, settings, Arc::clone(connection), shape, respond);
+    tokio::spawn(owner.run(request));
+    response
+        .await
+        .unwrap_or_else(|_| ProxyError::Internal.into_response(shape))
+}
+
+/// How a request ends: its outcome, and the answer its client gets if no response has begun.
+pub(super) struct Ending {
+    outcome: Outcome,
+    answer: Option<ProxyError>,
+}
+
+impl Ending {
+    fn new(outcome: Outcome, answer: ProxyError) -> Self {
+        Self {
+            outcome,
+            answer: Some(answer),
+        }
+    }
+
+    /// An ending nobody is told of: the client has left, or its response has begun.
+    fn quiet(outcome: Outcome) -> Self {
+        Self {
+            outcome,
+            answer: None,
+        }
+    }
+}
+
+/// Why a request stopped waiting for whatever it waited for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Interrupt {
+    ClientGone,
+    MaxDuration,
+}
+
+/// What interrupts a request at any point: its client leaving, its time running out.
+#[derive(Clone)]
+struct Watch {
+    connection: Arc<Connection>,
+    deadline: Option<Instant>,
+}
+
+impl Watch {
+    async fn interrupted(&self) -> Interrupt {
+        let out_of_time = async {
+            match self.deadline {
+                Some(deadline) => tokio::time::sleep_until(deadline).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            () = self.connection.gone() => Interrupt::ClientGone,
+            () = out_of_time => Interrupt::MaxDuration,
+        }
+    }
+}
+
+pub(super) struct QueuedRequest {
+    proxy: Arc<Proxy>,
+    settings: Arc<Settings>,
+    connection: Arc<Connection>,
+    arrived: Instant,
+    shape: ErrorShape,
+    /// Set once classified.
+    class: Option<String>,
+    timeouts: ClassTimeouts,
+    stage: Stage,
+    /// Held from dispatch until the upstream exchange is over.
+    permit: Option<Permit>,
+    exchange: Option<Exchange>,
+    /// Until the response head has gone to hyper.
+    respond: Option<oneshot::Sender<Response<Body>>>,
+    /// After it: the way the answer's frames and end go to the client.
+    relay: Option<relay::Relay>,
+    model: Option<String>,
+    /// On arrival, when guard predicted the request would start.
+    predicted: Duration,
+    waited: Duration,
+    ttft: Option<Duration>,
+    concluded: bool,
+}
+
+impl QueuedRequest {
+    fn new(
+        proxy: Arc<Proxy>,
+        settings: Arc<Settings>,
+        connection: Arc<Connection>,
+        shape: ErrorShape,
+        respond: oneshot::Sender<Response<Body>>,
+    ) -> Self {
+        let timeouts = settings.timeouts(&settings.default_class);
+        Self {
+            proxy,
+            settings,
+            connection,
+            arrived: Instant::now(),
+            shape,
+            class: None,
+            timeouts,
+            stage: Stage::Arrival,
+            permit: None,
+            exchange: None,
+            respond: Some(respond),
+            relay: None,
+            model: None,
+            predicted: Duration::ZERO,
+            waited: Duration::ZERO,
+            ttft: None,
+            concluded: false,
+        }
+    }
+
+    async fn run(mut self, request: Request<Incoming>) {
+        let ending = match self.phases(request).await {
+            Ok(ending) | Err(ending) => ending,
+        };
+        self.conclude(ending);
+    }
+
+    /// The one end of the request: consumes it, so it happens once.
+    fn conclude(mut self, ending: Ending) {
+        self.finish(ending);
+        self.concluded = true;
+    }
+
+    fn finish(&mut self, ending: Ending) {
+        let Ending { outcome, answer } = ending;
+        self.free_upstream(outcome == Outcome::Completed);
+        self.tell_client(&outcome, answer);
+        let elapsed = self.arrived.elapsed();
+        let queue_wait = match self.stage {
+            Stage::Arrival => None,
+            Stage::Queued => Some(elapsed),
+            Stage::Running => Some(self.waited),
+        };
+        let prediction_error = (self.stage == Stage::Running)
+            .then_some(self.waited.as_secs_f64() - self.predicted.as_secs_f64());
+        outcome.record(
+            &self.proxy.metrics,
+            &Facts {
+                peer: self.connection.peer,
+                class: self.class.as_deref(),
+                elapsed,
+                queue_wait,
+                prediction_error,
+                ttft: self.ttft,
+                gone_at: self.connection.gone_at(),
+                now_monotonic: monotonic_now(),
+            },
+        );
+    }
+
+    /// Answers the client, or ends the answer it is getting, as the outcome calls for.
+    fn tell_client(&mut self, outcome: &Outcome, answer: Option<ProxyError>) {
+        if let Outcome::TimedOut {
+            which: Timeout::ClientStall,
+            ..
+        } = outcome
+        {
+            // It does not read: nothing more can reach it. Close its connection.
+            self.connection.end();
+        }
+        if let Some(relay) = self.relay.take() {
+            relay.finish(outcome, answer.as_ref());
+        } else if let Some(respond) = self.respond.take() {
+            let error = answer.unwrap_or(ProxyError::Internal);
+            // Nobody may be listening any more (the client left): that is fine.
+            let _ = respond.send(self.answer(error));
+        }
+    }
+
+    /// Ends the upstream exchange (its socket closes now), then returns the permit: only an
+    /// exchange that is over frees its slot. A completed one teaches the estimator.
+    fn free_upstream(&mut self, completed: bool) {
+        self.exchange = None;
+        if let Some(permit) = self.permit.take() {
+            if completed {
+                permit.complete();
+            } else {
+                permit.release();
+            }
+        }
+    }
+
+    fn watch(&self) -> Watch {
+        let deadline = self
+            .timeouts
+            .max_duration
+            .and_then(|limit| self.arrived.checked_add(limit));
+        Watch {
+            connection: Arc::clone(&self.connection),
+            deadline,
+        }
+    }
+
+    /// The ending for an interrupt at the current stage.
+    fn interrupted(&self, interrupt: Interrupt) -> Ending {
+        match interrupt {
+            Interrupt::ClientGone => Ending::quiet(Outcome::Reaped(self.stage)),
+            Interrupt::MaxDuration => Ending::new(
+                Outcome::TimedOut {
+                    which: Timeout::MaxDuration,
+                    stage: self.stage,
+                },
+                self.timed_out(Timeout::MaxDuration),
+            ),
+        }
+    }
+
+    fn timed_out(&self, which: Timeout) -> ProxyError {
+        let limit = match which {
+            Timeout::BodyRead => self.timeouts.body_read,
+            Timeout::UpstreamIdle => self.timeouts.upstream_idle,
+            Timeout::ClientStall => self.timeouts.client_stall,
+            Timeout::MaxDuration => self.timeouts.max_duration.unwrap_or_default(),
+        };
+        ProxyError::TimedOut {
+            class: self.class.clone().unwrap_or_default(),
+            which,
+            limit,
+        }
+    }
+
+    /// An error answer, tagged with the class once there is one.
+    fn answer(&self, error: ProxyError) -> Response<Body> {
+        let response = error.into_response(self.shape);
+        match self.class.is_some() {
+            true => self.tag(response),
+            false => response,
+        }
+    }
+
+    /// Adds `X-Guard-Class` and `X-Guard-Queue-Ms` (the time the request waited in guard).
+    fn tag<B>(&self, mut response: Response<B>) -> Response<B> {
+        let waited = match self.stage {
+            Stage::Running => self.waited,
+            Stage::Arrival | Stage::Queued => self.arrived.elapsed(),
+        };
+        let headers = response.headers_mut();
+        if let Some(value) = self
+            .class
+            .as_deref()
+            .and_then(|class| HeaderValue::from_str(class).ok())
+        {
+            headers.insert("x-guard-class", value);
+        }
+        headers.insert(
+            "x-guard-queue-ms",
+            HeaderValue::from(waited.as_millis() as u64),
+        );
+        response
+    }
+}
+
+impl Drop for QueuedRequest {
+    /// The last resort: the owner's task was dropped before it concluded (the runtime is
+    /// shutting down, or a bug). The request still ends once, as failed.
+    fn drop(&mut self) {
+        if !self.concluded {
+            self.finish(Ending::new(
+                Outcome::Failed(FailKind::Internal),
+                ProxyError::Internal,
+            ));
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! The proxy listener: accepts client connections and serves each with hyper until it ends,
+//! its client is known to have left, or guard stops.
+
+use std::{convert::Infallible, net::SocketAddr, sync::Arc, time::Duration};
+
+use hyper::{server::conn::http1, service::service_fn};
+use hyper_util::{
+    rt::{TokioIo, TokioTimer},
+    server::graceful::GracefulShutdown,
+};
+use tokio::{
+    io::{AsyncRead, AsyncWrite},
+    net::{TcpListener, TcpStream},
+    sync::watch,
+};
+
+use super::Proxy;
+use crate::reap::userspace;
+
+/// Accepts connections until `shutdown` turns true, then waits for open connections to
+/// finish their current request, at most `grace`.
+pub async fn serve(
+    listener: TcpListener,
+    proxy: Arc<Proxy>,
+    mut shutdown: watch::Receiver<bool>,
+    grace: Duration,
+) {
+    let graceful = GracefulShutdown::new();
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(err) => {
+                    // EMFILE and friends: back off briefly instead of spinning.
+                    tracing::warn!(%err, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = stop_requested(&mut shutdown) => break,
+        };
+        let _ = stream.set_nodelay(true);
+        // Without the kernel's events, watch the socket from user space.
+        let watched = match proxy.tracker {
+            Some(_) => None,
+            None => userspace::duplicate(&stream)
+                .inspect_err(
+                    |err| tracing::warn!(%peer, %err, "cannot watch this client for closes"),
+                )
+                .ok(),
+        };
+        tokio::spawn(serve_connection(
+            Arc::clone(&proxy),
+            stream,
+            peer,
+            watched,
+            Some(&graceful),
+        ));
+    }
+    drop(listener);
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            grace_ms = grace.as_millis(),
+            "connections still open after the grace period"
+        );
+    }
+}
+
+/// Serves one client connection until it ends or its client is known to have left; then
+/// every request still riding on it learns so (`Connection::gone`).
+pub fn serve_connection<I>(
+    proxy: Arc<Proxy>,
+    io: I,
+    peer: SocketAddr,
+    watched: Option<TcpStream>,
+    graceful: Option<&GracefulShutdown>,
+) -> impl Future<Output = ()> + Send + use<I>
+where
+    I: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let connection = proxy.connections.register(peer);
+    let half_close = proxy.half_close_means_gone();
+    let service = {
+        let proxy = Arc::clone(&proxy);
+        let connection = Arc::clone(&connection);
+        service_fn(move |request| {
+            let proxy = Arc::clone(&proxy);
+            let connection = Arc::clone(&connection);
+            async move { Ok::<_, Infallible>(proxy.handle(request, &connection).await) }
+        })
+    };
+    let serving = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(proxy.header_read_timeout)
+        .keep_alive(true)
+        // hyper, too, ends a connection whose client half-closed with a request pending,
+        // unless told that clients may half-close on purpose.
+        .half_close(!half_close)
+        .serve_connection(TokioIo::new(io), service);
+    let serving: std::pin::Pin<Box<dyn Future<Output = hyper::Result<()>> + Send>> = match graceful
+    {
+        Some(graceful) => Box::pin(graceful.watch(serving)),
+        None => Box::pin(serving),
+    };
+    async move {
+        let watch = async {
+            match watched {
+                Some(socket) => userspace::watch(socket, &connection, half_close).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            // The client left (or guard cut the connection): dropping hyper's side closes the
+            // socket, and the requests on it conclude as they see `gone`.
+            () = connection.gone() => {}
+            () = watch => {}
+            result = serving => {
+                if let Err(err) = result {
+                    tracing::debug!(%peer, %err, "client connection ended with an error");
+                }
+            }
+        }
+        connection.end();
+        proxy.connections.unregister(&connection);
+    }
+}
+
+/// Resolves once `shutdown` is true (or its sender is gone).
+pub async fn stop_requested(shutdown: &mut watch::Receiver<bool>) {
+    // The guard wait_for returns is not Send: drop it here, not in the caller's select.
+    let _ = shutdown.wait_for(|stop| *stop).await;
+}

@@ -1,0 +1,307 @@
+//! The queued path end to end in one process: clients and an upstream on in-memory pipes,
+//! tokio's paused clock. Every timeout is exact, and no test waits on the machine.
+
+mod harness;
+
+use std::time::Duration;
+
+use harness::{Harness, Script, Then};
+use tokio::time::Instant;
+
+use crate::config::{ClassConfig, Config};
+
+const MS: Duration = Duration::from_millis(1);
+
+/// Two classes, one upstream slot, and the timeouts the tests use.
+fn config(slots: u32) -> Config {
+    let mut config = Config::default();
+    config.upstream.max_concurrency = slots;
+    config.estimate.initial_service_ms = 100;
+    let mut interactive = ClassConfig::new(0, 8, None);
+    interactive.upstream_idle_ms = 1_000;
+    interactive.client_stall_ms = 2_000;
+    interactive.body_read_timeout_ms = 500;
+    let mut batch = ClassConfig::new(10, 100, None);
+    batch.upstream_idle_ms = 1_000;
+    batch.client_stall_ms = 2_000;
+    config.class = [
+        ("interactive".to_owned(), interactive),
+        ("batch".to_owned(), batch),
+    ]
+    .into();
+    config
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_completes_and_its_slot_returns() {
+    let guard = Harness::new(config(1));
+    let response = guard.send("interactive", Script::frames(5)).await;
+    assert_eq!(response.status, 200);
+    assert_eq!(response.frames.len(), 5, "{:?}", response.frames);
+    assert!(response.clean_end);
+    assert_eq!(response.header("x-guard-class"), Some("interactive"));
+    guard.settle().await;
+    assert_eq!(guard.outcomes("interactive"), [("completed", 1)]);
+    assert_eq!(guard.scheduler.load(), (0, 0), "the permit is back");
+    assert_eq!(guard.upstream.open(), 0, "the exchange is closed");
+    guard.assert_invariant();
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_upstream_frees_the_slot_at_its_timeout() {
+    let guard = Harness::new(config(1));
+    let stuck = guard.spawn("interactive", Script::frames(2).then(Then::Hang));
+    guard.until(|| guard.upstream.started() == 1).await;
+    let next = guard.spawn("interactive", Script::frames(1));
+    let stuck = stuck.await.expect("stuck");
+    // Two frames, then the API's error event and a clean end.
+    assert_eq!(stuck.frames.len(), 3, "{:?}", stuck.frames);
+    assert!(
+        stuck.frames[2].contains("upstream_idle"),
+        "{:?}",
+        stuck.frames
+    );
+    assert!(stuck.clean_end);
+    assert_eq!(next.await.expect("next").status, 200);
+    let starts = guard.upstream.starts();
+    let last_frame = starts[0] + harness::GAP * 2;
+    assert_eq!(
+        starts[1] - last_frame,
+        Duration::from_secs(1),
+        "exactly upstream_idle_ms"
+    );
+    assert_eq!(
+        guard.count("timed_out_total", &["interactive", "upstream_idle"]),
+        1
+    );
+    guard.settle().await;
+    guard.assert_invariant();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_stops_reading_frees_the_slot_at_its_timeout() {
+    let guard = Harness::new(config(1));
+    // 64 KiB frames into a 4 KiB pipe the client never reads.
+    let stalled = guard
+        .open_stalled(
+            "interactive",
+            Script::frames(1_000).sized(64 << 10).gap(Duration::ZERO),
+        )
+        .await;
+    guard.until(|| guard.upstream.started() == 1).await;
+    let began = Instant::now();
+    let next = guard.send("interactive", Script::frames(1)).await;
+    assert_eq!(next.status, 200);
+    let freed = guard.upstream.starts()[1] - began;
+    // The pipe fills at once (no time passes in memory); then the stall limit runs.
+    assert_eq!(freed, Duration::from_secs(2), "exactly client_stall_ms");
+    assert_eq!(
+        guard.count("timed_out_total", &["interactive", "client_stall"]),
+        1
+    );
+    guard.until(|| guard.proxy.connections.is_empty()).await;
+    drop(stalled);
+    guard.settle().await;
+    guard.assert_invariant();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_trickled_body_is_cut_off_at_its_timeout() {
+    let guard = Harness::new(config(1));
+    let began = Instant::now();
+    let response = guard
+        .trickle("interactive", 10, Duration::from_secs(1))
+        .await;
+    assert_eq!(response.status, 408, "{response:?}");
+    assert_eq!(began.elapsed(), Duration::from_millis(500));
+    assert_eq!(
+        guard.count("invalid_requests_total", &["body_read_timeout"]),
+        1
+    );
+    assert_eq!(guard.upstream.started(), 0, "nothing was forwarded");
+    // The slot was never taken: the next request is served.
+    assert_eq!(
+        guard.send("interactive", Script::frames(1)).await.status,
+        200
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_duration_ends_a_request_waiting_or_running() {
+    let mut config = config(1);
+    config
+        .class
+        .get_mut("batch")
+        .expect("batch")
+        .max_duration_ms = Some(3_000);
+    let guard = Harness::new(config);
+    let running = guard.spawn("batch", Script::frames(100).gap(100 * MS));
+    guard.until(|| guard.upstream.started() == 1).await;
+    let waiting = guard.send("batch", Script::frames(1)).await;
+    assert_eq!(waiting.status, 504, "{waiting:?}");
+    assert!(waiting.body().contains("max_duration"), "{waiting:?}");
+    let running = running.await.expect("running");
+    assert!(
+        running
+            .frames
+            .last()
+            .is_some_and(|f| f.contains("max_duration"))
+    );
+    assert_eq!(
+        guard.count("timed_out_total", &["batch", "max_duration"]),
+        2
+    );
+    guard.settle().await;
+    assert_eq!(guard.upstream.open(), 0);
+    guard.assert_invariant();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_backlog_that_misses_the_deadline_is_refused_on_arrival() {
+    let mut config = config(1);
+    config
+        .class
+        .get_mut("interactive")
+        .expect("interactive")
+        .deadline_ms = Some(1_500);
+    let guard = Harness::new(config);
+    // Teach the estimator: 10 ms a token.
+    for tokens in [10, 50, 20] {
+        let script = Script::frames(tokens).gap(10 * MS).tokens(tokens);
+        assert_eq!(guard.send("batch", script).await.status, 200);
+    }
+    let running = guard.spawn("batch", Script::frames(300).gap(10 * MS).tokens(300));
+    guard.until(|| guard.upstream.started() == 4).await;
+    let began = Instant::now();
+    let refused = guard.send("interactive", Script::frames(1).tokens(1)).await;
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert!(refused.body().contains("deadline_predicted"), "{refused:?}");
+    assert!(refused.header("retry-after").is_some());
+    assert_eq!(began.elapsed(), Duration::ZERO, "answered on arrival");
+    running.await.expect("running");
+    // Idle again: a short request meets the deadline.
+    let served = guard.send("interactive", Script::frames(1).tokens(1)).await;
+    assert_eq!(served.status, 200);
+    assert_eq!(
+        guard.count("rejected_total", &["interactive", "deadline_predicted"]),
+        1
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_leaves_is_reaped_queued_or_running() {
+    let guard = Harness::new(config(1));
+    let running = guard
+        .open_stalled("batch", Script::frames(1_000).gap(10 * MS))
+        .await;
+    guard.until(|| guard.upstream.started() == 1).await;
+    let queued = guard.open_stalled("batch", Script::frames(1)).await;
+    guard
+        .until(|| guard.count("queue_depth", &["batch"]) == 1)
+        .await;
+    queued.abort();
+    guard
+        .until(|| guard.count("reaped_total", &["batch", "queued"]) == 1)
+        .await;
+    running.abort();
+    guard
+        .until(|| guard.count("reaped_total", &["batch", "running"]) == 1)
+        .await;
+    assert_eq!(
+        guard.upstream.started(),
+        1,
+        "the queued one never reached it"
+    );
+    assert_eq!(guard.upstream.open(), 0, "the running exchange was closed");
+    assert_eq!(guard.scheduler.load(), (0, 0));
+    guard.assert_invariant();
+}
+
+#[tokio::test(start_paused = true)]
+async fn upstream_failures_end_once_each() {
+    let guard = Harness::new(config(1));
+    let failed = guard
+        .send("batch", Script::frames(0).then(Then::Fail500))
+        .await;
+    assert_eq!(failed.status, 500, "relayed as it was");
+    let reset = guard
+        .send("batch", Script::frames(2).then(Then::Reset))
+        .await;
+    assert!(
+        reset
+            .frames
+            .last()
+            .is_some_and(|f| f.contains("upstream_reset"))
+    );
+    guard.settle().await;
+    assert_eq!(guard.count("failed_total", &["batch", "upstream_error"]), 1);
+    assert_eq!(guard.count("failed_total", &["batch", "upstream_reset"]), 1);
+    assert_eq!(guard.outcomes("batch"), [("failed", 2)]);
+    guard.assert_invariant();
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_bound_is_exact_under_a_mixed_run_and_a_lowered_limit() {
+    let guard = Harness::new(config(3));
+    let mut seed = 0x5eed_u64;
+    let mut tasks = Vec::new();
+    for round in 0..120_u64 {
+        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        let pick = (seed >> 33) % 6;
+        let script = match pick {
+            0 => Script::frames(3).then(Then::Hang),
+            1 => Script::frames(2).then(Then::Reset),
+            2 => Script::frames(0).then(Then::Fail500),
+            _ => Script::frames(1 + round % 7),
+        };
+        let class = if round % 3 == 0 {
+            "interactive"
+        } else {
+            "batch"
+        };
+        if pick == 5 {
+            tasks.push(guard.leave_after(class, script, Duration::from_millis((seed >> 40) % 200)));
+        } else {
+            tasks.push(guard.spawn_any(class, script));
+        }
+        if round == 60 {
+            assert_eq!(
+                guard.upstream.peak(),
+                3,
+                "the limit was reached, not passed"
+            );
+            let mut lower = config(1);
+            lower.estimate.initial_service_ms = 100;
+            guard.proxy.reload(&lower);
+            guard.until(|| guard.upstream.open() <= 1).await;
+            guard.upstream.reset_peak();
+        }
+        tokio::time::sleep(7 * MS).await;
+    }
+    for task in tasks {
+        task.await.expect("client");
+    }
+    guard.settle().await;
+    assert_eq!(
+        guard.upstream.peak(),
+        1,
+        "never more than the lowered limit"
+    );
+    let total: u64 = ["interactive", "batch"]
+        .iter()
+        .flat_map(|class| guard.outcomes(class))
+        .map(|(_, count)| count)
+        .sum();
+    assert_eq!(total, 120, "every request ended exactly once");
+    let seen: Vec<_> = guard
+        .outcomes("batch")
+        .into_iter()
+        .map(|(o, _)| o)
+        .collect();
+    assert_eq!(
+        seen,
+        ["completed", "reaped", "failed", "timed_out"],
+        "a real mix"
+    );
+    guard.assert_invariant();
+}

@@ -1,0 +1,156 @@
+//! `cargo xtask bench limits`: how well guard predicts when a request will start on the real
+//! llama-server, and how soon after a stall (an upstream that stops, a client that stops
+//! reading) the next request starts, against the goal of the timeout plus 100 ms.
+
+use std::time::{Duration, Instant};
+
+use guard_tests::{
+    counting::{Counting, Play},
+    http::{post, post_streamed},
+    servers::{GuardProcess, LlamaServer},
+    workload::percentile,
+};
+use serde_json::json;
+use tokio::{io::AsyncWriteExt as _, task::JoinSet};
+
+const ROUNDS: usize = 4;
+const TRIALS: usize = 20;
+const STALL_MS: u64 = 300;
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime.block_on(async {
+        prediction_error().await;
+        println!("2. stall -> next request starts at the upstream, {TRIALS} trials each, limit {STALL_MS} ms:");
+        for (name, client_stall) in [("upstream stops mid-stream", false), ("client stops reading", true)] {
+            let overshoot = stall_overshoot(client_stall).await;
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            let p99 = percentile(&overshoot, 0.99);
+            println!(
+                "   {name:<27} beyond the limit: p50 {:>6.1} ms, p99 {:>6.1} ms, max {:>6.1} ms; goal p99 <= 100 ms: {}",
+                ms(percentile(&overshoot, 0.5)),
+                ms(p99),
+                ms(percentile(&overshoot, 1.0)),
+                if p99 <= Duration::from_millis(100) { "met" } else { "missed" }
+            );
+        }
+    });
+}
+
+/// Rounds of mixed work on one llama-server slot; guard's debug log says, for each dispatched
+/// request, when it predicted on arrival that the request would start and when it did.
+async fn prediction_error() {
+    let llama = LlamaServer::start(1).await;
+    let config = "[class.interactive]\npriority = 0\nmax_queue = 8\n[class.batch]\npriority = 10\nmax_queue = 64\n";
+    let guard = GuardProcess::start_with(llama.addr, "openai", config, false, "guard=debug");
+    let addr = guard.listen;
+    let mut work = JoinSet::new();
+    for round in 0..ROUNDS {
+        for (i, tokens) in [16u64, 96, 32, 160, 48, 64].into_iter().enumerate() {
+            let stream = (round + i) % 2 == 0;
+            work.spawn(async move {
+                let body = json!({ "prompt": format!("Story {round}.{i}."), "n_predict": tokens, "ignore_eos": true, "stream": stream });
+                let _ = post_streamed(addr, "/completion", &[("x-guard-class", "batch")], &body).await;
+            });
+        }
+        for i in 0..2 {
+            work.spawn(async move {
+                let body = json!({ "messages": [{ "role": "user", "content": format!("Hi {round}.{i}") }], "max_tokens": 12 });
+                let _ = post(addr, "/v1/chat/completions", &[], &body).await;
+            });
+        }
+        while work.join_next().await.is_some() {}
+    }
+    let field = |line: &str, name: &str| -> Option<f64> {
+        line.split(&format!("{name}="))
+            .nth(1)?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    };
+    let lines = guard.log_lines();
+    let errors: Vec<(f64, f64)> = lines
+        .iter()
+        .filter(|l| l.contains("dispatched"))
+        .filter_map(|l| Some((field(l, "predicted_ms")?, field(l, "waited_ms")?)))
+        .collect();
+    let absolute: Vec<Duration> = errors
+        .iter()
+        .map(|(predicted, waited)| Duration::from_secs_f64((waited - predicted).abs() / 1e3))
+        .collect();
+    let late = errors.iter().filter(|(p, w)| w > p).count();
+    let mean_wait = errors.iter().map(|(_, w)| w).sum::<f64>() / errors.len().max(1) as f64;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "1. start prediction on llama-server (one slot, {ROUNDS} rounds of 6 batch + 2 interactive, tokens asked 12 to 160):"
+    );
+    println!(
+        "   {} requests: |actual - predicted| p50 {:.0} ms, p95 {:.0} ms (mean wait {mean_wait:.0} ms); started later than predicted: {late}",
+        errors.len(),
+        ms(percentile(&absolute, 0.5)),
+        ms(percentile(&absolute, 0.95)),
+    );
+}
+
+/// Time from a stall's start to the next request's start at the upstream, minus the limit.
+async fn stall_overshoot(client_stall: bool) -> Vec<Duration> {
+    let upstream = Counting::start().await;
+    let config = format!(
+        "[class.interactive]\npriority = 0\nmax_queue = 4\nupstream_idle_ms = {STALL_MS}\nclient_stall_ms = {STALL_MS}\n[class.batch]\npriority = 10\n"
+    );
+    let guard = GuardProcess::start(upstream.addr, "openai", &config);
+    let mut samples = Vec::with_capacity(TRIALS);
+    for trial in 0..TRIALS {
+        let before = upstream.exchanges().len();
+        let _stalled = if client_stall {
+            Some(stalled_reader(guard.listen).await)
+        } else {
+            let addr = guard.listen;
+            tokio::spawn(async move {
+                let play = Play::new("hang").frames(2, 5);
+                post_streamed(addr, "/v1/chat/completions", &[], &play.json()).await
+            });
+            None
+        };
+        let started = Instant::now();
+        while upstream.exchanges().len() == before {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "trial {trial}: nothing started"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let next = post(
+            guard.listen,
+            "/v1/chat/completions",
+            &[],
+            &Play::new("complete").json(),
+        )
+        .await;
+        assert_eq!(next.status, 200);
+        let exchanges = upstream.exchanges();
+        let (stalled, next) = (&exchanges[before], &exchanges[before + 1]);
+        let onset = stalled.last_write.unwrap_or(stalled.started);
+        let freed = next.started.saturating_duration_since(onset);
+        samples.push(freed.saturating_sub(Duration::from_millis(STALL_MS)));
+    }
+    samples
+}
+
+/// A client with a small receive buffer that asks for a flood and never reads.
+async fn stalled_reader(addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut stream = socket.connect(addr).await.expect("connect");
+    let body = Play::new("flood").bytes(16 << 10).json().to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: guard\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.expect("send");
+    stream
+}
