@@ -34,6 +34,14 @@ pub struct Cut;
 #[derive(Debug)]
 pub struct Gone;
 
+/// Why a frame could not be handed over at once.
+#[derive(Debug)]
+pub enum Offer {
+    /// The channel is full: here is the frame back.
+    Full(Frame<Bytes>),
+    Gone,
+}
+
 pub struct ClientBody {
     frames: mpsc::Receiver<Frame<Bytes>>,
     finish: oneshot::Receiver<Finish>,
@@ -70,6 +78,14 @@ impl Feed {
     /// Hands a frame over; waits while the channel is full (hyper is not writing).
     pub async fn send(&self, frame: Frame<Bytes>) -> Result<(), Gone> {
         self.frames.send(frame).await.map_err(|_| Gone)
+    }
+
+    /// Hands a frame over if there is room now.
+    pub fn try_send(&self, frame: Frame<Bytes>) -> Result<(), Offer> {
+        self.frames.try_send(frame).map_err(|err| match err {
+            mpsc::error::TrySendError::Full(frame) => Offer::Full(frame),
+            mpsc::error::TrySendError::Closed(_) => Offer::Gone,
+        })
     }
 
     /// Ends the answer after the frames already handed over; `None` cuts it.

@@ -1,15 +1,20 @@
-//! One queued request's exchange with the upstream, on a connection of its own.
+//! One queued request's exchange with the upstream, on a connection no other request uses
+//! meanwhile.
 //!
-//! The exchange drives its hyper connection itself (no spawned task), so dropping it closes
-//! the socket at once: when its owner returns the permit after dropping it, the upstream
-//! exchange is over. Nothing is ever sent twice: a fresh connection per request means no
-//! pooled connection the server may have closed meanwhile, so no retry (nginx proxies to
-//! upstreams the same way unless told to keep connections alive).
+//! The exchange drives its hyper connection itself (no spawned task), so dropping it ends the
+//! exchange at once: an answer read to its end leaves an idle keep-alive connection, anything
+//! else closes the socket. When its owner returns the permit after dropping it, the upstream
+//! exchange is over.
+//!
+//! Nothing is ever sent twice, so a pooled connection must not be one the server is closing:
+//! only connections whose answer was a single document (not a stream: llama-server shuts a
+//! connection a moment after each stream) are kept, for at most `IDLE_TTL`, well inside common
+//! keep-alive timeouts, and each is checked for a close before it is used.
 
 use std::{
     future::Future,
     pin::Pin,
-    sync::Arc,
+    sync::{Arc, Mutex},
     task::{Context, Poll},
     time::Duration,
 };
@@ -19,10 +24,13 @@ use http::{Request, response};
 use http_body::{Body as _, Frame};
 use hyper::{
     body::Incoming,
-    client::conn::http1::{self, Connection},
+    client::conn::http1::{self, Connection, SendRequest},
 };
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::{
+    io::{AsyncRead, AsyncWrite},
+    time::Instant,
+};
 
 use super::upstream::Body;
 
@@ -33,9 +41,15 @@ impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Io for T {}
 /// Makes an in-memory connection to an in-process upstream (unit tests).
 pub type MemoryConnect = Arc<dyn Fn() -> Box<dyn Io> + Send + Sync>;
 
+/// How long an idle connection is kept: far below the keep-alive timeouts of llama-server
+/// (5 s), Ollama and nginx, so the server is not closing it as guard reuses it.
+const IDLE_TTL: Duration = Duration::from_secs(2);
+/// Idle connections kept at most.
+const IDLE_MAX: usize = 16;
+
 /// How guard reaches the upstream for queued requests.
 #[derive(Clone)]
-pub enum Connector {
+pub enum Dial {
     Tcp {
         /// `host:port`.
         authority: String,
@@ -44,7 +58,71 @@ pub enum Connector {
     Memory(MemoryConnect),
 }
 
-impl std::fmt::Debug for Connector {
+/// Reaches the upstream, and keeps the idle connections finished exchanges leave.
+pub struct Connector {
+    dial: Dial,
+    idle: Mutex<Vec<Idle>>,
+}
+
+/// A keep-alive connection with no exchange on it.
+struct Idle {
+    sender: SendRequest<Body>,
+    connection: Pin<Box<UpstreamConnection>>,
+    since: Instant,
+}
+
+impl Connector {
+    pub fn new(dial: Dial) -> Arc<Self> {
+        Arc::new(Self {
+            dial,
+            idle: Mutex::default(),
+        })
+    }
+
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
+        self.idle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The most recent idle connection that is young and still open.
+    fn check_out(&self) -> Option<Idle> {
+        let mut idle = self.idle();
+        while let Some(mut candidate) = idle.pop() {
+            if candidate.since.elapsed() < IDLE_TTL && candidate.is_open() {
+                return Some(candidate);
+            }
+        }
+        None
+    }
+
+    /// Keeps a connection whose exchange ended cleanly, if it is still open.
+    fn check_in(&self, mut idle: Idle) {
+        if !idle.is_open() {
+            return;
+        }
+        let mut pool = self.idle();
+        pool.retain(|old| old.since.elapsed() < IDLE_TTL);
+        if pool.len() >= IDLE_MAX {
+            pool.remove(0);
+        }
+        pool.push(idle);
+    }
+}
+
+impl Idle {
+    /// Lets hyper read what the socket holds (a close, say) without waiting, then asks whether
+    /// it would take a request.
+    fn is_open(&mut self) -> bool {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        if self.connection.as_mut().poll(&mut cx).is_ready() {
+            return false;
+        }
+        self.sender.is_ready()
+    }
+}
+
+impl std::fmt::Debug for Dial {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Tcp { authority, .. } => write!(f, "tcp {authority}"),
@@ -72,42 +150,67 @@ pub enum ExchangeError {
 
 type UpstreamConnection = Connection<TokioIo<Box<dyn Io>>, Body>;
 
-/// A request sent and its answer being read. Drop closes the connection.
+/// A request sent and its answer being read. Drop ends the exchange: an answer read to its
+/// end leaves its connection idle for the next request, anything else closes it.
 pub struct Exchange {
     /// None once the connection has finished (the server closed it, or it failed).
     connection: Option<Pin<Box<UpstreamConnection>>>,
+    /// Kept so the connection stays open for the next request.
+    sender: Option<SendRequest<Body>>,
     body: Incoming,
+    /// The answer was one document on a connection the server keeps open.
+    keep_alive: bool,
+    ended: bool,
+    home: Arc<Connector>,
 }
 
 impl Exchange {
-    /// Connects, sends `request` and waits for the response head.
+    /// Sends `request` on an idle connection or a new one, and waits for the response head.
     pub async fn start(
-        connector: &Connector,
+        connector: &Arc<Connector>,
         request: Request<Body>,
     ) -> Result<(Self, response::Parts), ExchangeError> {
-        let io = connect(connector).await?;
-        let (mut sender, connection) = http1::handshake(TokioIo::new(io))
+        let (mut sender, connection) = match connector.check_out() {
+            Some(idle) => (idle.sender, idle.connection),
+            None => {
+                let io = connect(&connector.dial).await?;
+                let (sender, connection) = http1::handshake(TokioIo::new(io))
+                    .await
+                    .map_err(ExchangeError::Http)?;
+                (sender, Box::pin(connection))
+            }
+        };
+        let mut connection = Some(connection);
+        let response = {
+            let mut sending = std::pin::pin!(sender.send_request(request));
+            std::future::poll_fn(|cx| {
+                drive(&mut connection, cx);
+                sending.as_mut().poll(cx)
+            })
             .await
-            .map_err(ExchangeError::Http)?;
-        let mut connection = Some(Box::pin(connection));
-        let mut sending = std::pin::pin!(sender.send_request(request));
-        let response = std::future::poll_fn(|cx| {
-            drive(&mut connection, cx);
-            sending.as_mut().poll(cx)
-        })
-        .await
-        .map_err(ExchangeError::Http)?;
+            .map_err(ExchangeError::Http)?
+        };
         let (head, body) = response.into_parts();
-        Ok((Self { connection, body }, head))
+        let exchange = Self {
+            connection,
+            sender: Some(sender),
+            body,
+            keep_alive: keeps_alive(&head),
+            ended: false,
+            home: Arc::clone(connector),
+        };
+        Ok((exchange, head))
     }
 
     /// The next frame of the answer; None at its end.
     pub async fn frame(&mut self) -> Option<Result<Frame<Bytes>, hyper::Error>> {
-        std::future::poll_fn(|cx| {
+        let frame = std::future::poll_fn(|cx| {
             drive(&mut self.connection, cx);
             Pin::new(&mut self.body).poll_frame(cx)
         })
-        .await
+        .await;
+        self.ended |= frame.is_none();
+        frame
     }
 
     /// Whether the whole answer has been read.
@@ -119,6 +222,42 @@ impl Exchange {
     pub fn size_hint(&self) -> http_body::SizeHint {
         self.body.size_hint()
     }
+}
+
+impl Drop for Exchange {
+    fn drop(&mut self) {
+        let ended = self.ended || self.body.is_end_stream();
+        if !(ended && self.keep_alive) {
+            // The socket closes with the connection, now.
+            return;
+        }
+        if let (Some(connection), Some(sender)) = (self.connection.take(), self.sender.take()) {
+            self.home.check_in(Idle {
+                sender,
+                connection,
+                since: Instant::now(),
+            });
+        }
+    }
+}
+
+/// Whether a connection may carry another request after this answer: a single document
+/// (a stream's server may close the connection right after), over HTTP/1.1, not `close`.
+fn keeps_alive(head: &response::Parts) -> bool {
+    let media = head
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    let streamed =
+        media.starts_with("text/event-stream") || media.starts_with("application/x-ndjson");
+    let close = head
+        .headers
+        .get(http::header::CONNECTION)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.to_ascii_lowercase().contains("close"));
+    head.version == http::Version::HTTP_11 && !streamed && !close
 }
 
 /// Polls the connection so that it reads and writes; forgets it once it has finished (the
@@ -134,9 +273,9 @@ fn drive(connection: &mut Option<Pin<Box<UpstreamConnection>>>, cx: &mut Context
     }
 }
 
-async fn connect(connector: &Connector) -> Result<Box<dyn Io>, ExchangeError> {
-    match connector {
-        Connector::Tcp {
+async fn connect(dial: &Dial) -> Result<Box<dyn Io>, ExchangeError> {
+    match dial {
+        Dial::Tcp {
             authority,
             connect_timeout,
         } => {
@@ -155,6 +294,6 @@ async fn connect(connector: &Connector) -> Result<Box<dyn Io>, ExchangeError> {
             let _ = stream.set_nodelay(true);
             Ok(Box::new(stream))
         }
-        Connector::Memory(make) => Ok(make()),
+        Dial::Memory(make) => Ok(make()),
     }
 }

@@ -25,7 +25,7 @@ use http_body_util::BodyExt as _;
 use hyper::body::{Body as _, Incoming};
 
 pub use error::{ErrorShape, ProxyError};
-pub use exchange::Connector;
+pub use exchange::{Connector, Dial};
 pub use serve::{serve, serve_connection, stop_requested};
 pub use upstream::{Body, Upstream};
 
@@ -75,7 +75,7 @@ impl Settings {
 /// What every connection handler shares.
 pub struct Proxy {
     upstream: Upstream,
-    connector: Connector,
+    connector: Arc<Connector>,
     response_timeout: Duration,
     metrics: Metrics,
     scheduler: Arc<Scheduler>,
@@ -103,22 +103,18 @@ impl Proxy {
     pub fn new(config: &Config, parts: Parts) -> Result<Self, ProxyError> {
         let authority =
             crate::config::upstream_authority(&config.upstream.url).map_err(ProxyError::Config)?;
-        let connector = Connector::Tcp {
+        let dial = Dial::Tcp {
             authority: authority.to_string(),
             connect_timeout: Duration::from_millis(config.upstream.connect_timeout_ms),
         };
-        Self::with_connector(config, parts, connector)
+        Self::with_dial(config, parts, dial)
     }
 
-    /// A proxy whose queued requests reach the upstream through `connector`.
-    pub fn with_connector(
-        config: &Config,
-        parts: Parts,
-        connector: Connector,
-    ) -> Result<Self, ProxyError> {
+    /// A proxy whose queued requests reach the upstream as `dial` says.
+    pub fn with_dial(config: &Config, parts: Parts, dial: Dial) -> Result<Self, ProxyError> {
         Ok(Self {
             upstream: Upstream::new(&config.upstream)?,
-            connector,
+            connector: Connector::new(dial),
             response_timeout: Duration::from_millis(config.upstream.response_timeout_ms),
             metrics: parts.metrics,
             scheduler: parts.scheduler,

@@ -305,3 +305,49 @@ async fn the_bound_is_exact_under_a_mixed_run_and_a_lowered_limit() {
     );
     guard.assert_invariant();
 }
+
+#[tokio::test(start_paused = true)]
+async fn only_a_connection_whose_answer_was_one_document_is_used_again() {
+    let guard = Harness::new(config(1));
+    for _ in 0..3 {
+        let answer = guard
+            .send("batch", Script::frames(0).then(Then::Json))
+            .await;
+        assert_eq!(answer.status, 200);
+    }
+    assert_eq!(
+        guard.upstream.dials(),
+        1,
+        "one keep-alive connection served all three"
+    );
+    assert_eq!(guard.upstream.connections(), 1, "and is kept, idle");
+    assert_eq!(guard.send("batch", Script::frames(2)).await.status, 200);
+    assert_eq!(
+        guard.upstream.dials(),
+        1,
+        "the stream took the idle connection"
+    );
+    guard.until(|| guard.upstream.connections() == 0).await;
+    assert_eq!(
+        guard.upstream.connections(),
+        0,
+        "a stream's connection is not kept"
+    );
+    // An idle connection is used again only while young.
+    assert_eq!(
+        guard
+            .send("batch", Script::frames(0).then(Then::Json))
+            .await
+            .status,
+        200
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        guard
+            .send("batch", Script::frames(0).then(Then::Json))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(guard.upstream.dials(), 3);
+}

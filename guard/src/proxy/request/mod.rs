@@ -117,6 +117,8 @@ pub(super) struct QueuedRequest {
     model: Option<String>,
     /// On arrival, when guard predicted the request would start.
     predicted: Duration,
+    /// Its turn came (it holds or held a permit); `waited` is then arrival to dispatch.
+    dispatched: bool,
     waited: Duration,
     ttft: Option<Duration>,
     concluded: bool,
@@ -146,6 +148,7 @@ impl QueuedRequest {
             relay: None,
             model: None,
             predicted: Duration::ZERO,
+            dispatched: false,
             waited: Duration::ZERO,
             ttft: None,
             concluded: false,
@@ -170,12 +173,13 @@ impl QueuedRequest {
         self.free_upstream(outcome == Outcome::Completed);
         self.tell_client(&outcome, answer);
         let elapsed = self.arrived.elapsed();
-        let queue_wait = match self.stage {
-            Stage::Arrival => None,
-            Stage::Queued => Some(elapsed),
-            Stage::Running => Some(self.waited),
+        let queue_wait = match (self.stage, self.dispatched) {
+            (Stage::Arrival, _) => None,
+            (_, true) => Some(self.waited),
+            (_, false) => Some(elapsed),
         };
-        let prediction_error = (self.stage == Stage::Running)
+        let prediction_error = self
+            .dispatched
             .then_some(self.waited.as_secs_f64() - self.predicted.as_secs_f64());
         outcome.record(
             &self.proxy.metrics,
@@ -274,9 +278,9 @@ impl QueuedRequest {
 
     /// Adds `X-Guard-Class` and `X-Guard-Queue-Ms` (the time the request waited in guard).
     fn tag<B>(&self, mut response: Response<B>) -> Response<B> {
-        let waited = match self.stage {
-            Stage::Running => self.waited,
-            Stage::Arrival | Stage::Queued => self.arrived.elapsed(),
+        let waited = match self.dispatched {
+            true => self.waited,
+            false => self.arrived.elapsed(),
         };
         let headers = response.headers_mut();
         if let Some(value) = self

@@ -80,7 +80,7 @@ impl QueuedRequest {
         if let Ok(decision) = self.decide(&head, None, &cgroup) {
             self.timeouts = self.settings.timeouts(&decision);
         }
-        let bytes = self.read_body(body).await?;
+        let bytes = Box::pin(self.read_body(body)).await?;
         let asks = self.inspect(&bytes)?;
         let class = self
             .decide(&head, asks.model.as_deref(), &cgroup)
@@ -94,8 +94,10 @@ impl QueuedRequest {
             model: asks.model,
         })?;
         self.wait(ticket).await?;
-        let (exchange, response) = self.forward(&head, bytes).await?;
-        Ok(self.relay(exchange, response).await)
+        // Boxed: a request waiting in the queue (there may be thousands) then holds only the
+        // state of the phases it has reached, not that of forwarding and relaying.
+        let (exchange, response) = Box::pin(self.forward(&head, bytes)).await?;
+        Ok(Box::pin(self.relay(exchange, response)).await)
     }
 
     async fn read_body(&mut self, body: Incoming) -> Phase<Bytes> {
@@ -214,13 +216,13 @@ impl QueuedRequest {
             Ok(permit) => {
                 self.waited = permit.waited();
                 tracing::debug!(
-                    class = ?self.class,
+                    class = self.class.as_deref().unwrap_or_default(),
                     predicted_ms = self.predicted.as_millis() as u64,
                     waited_ms = self.waited.as_millis() as u64,
                     "dispatched"
                 );
                 self.permit = Some(permit);
-                self.stage = Stage::Running;
+                self.dispatched = true;
                 Ok(())
             }
             Err(rejection) => Err(Ending::new(

@@ -1,7 +1,7 @@
 //! The relay phase: the answer's frames go to the client as they come, under the class's idle,
 //! stall and duration limits, until the answer ends, is cut, or its client leaves.
 
-use std::time::Duration;
+use std::{pin::Pin, time::Duration};
 
 use bytes::Bytes;
 use http::{Response, header, response};
@@ -11,7 +11,7 @@ use http_body_util::BodyExt as _;
 use super::{Ending, Interrupt, QueuedRequest, Watch};
 use crate::{
     proxy::{
-        client_body::{ClientBody, Feed},
+        client_body::{ClientBody, Feed, Offer},
         error::{ErrorShape, ProxyError, StreamFormat},
         exchange::Exchange,
         outcome::{FailKind, Outcome, Stage, Timeout},
@@ -79,10 +79,14 @@ impl QueuedRequest {
             sent_data: false,
             tail: (self.shape == ErrorShape::Ollama).then(Vec::new),
         };
+        // One interrupt future for the whole answer: frames are token-sized and many.
+        let watch = relay.watch.clone();
+        let interrupted = watch.interrupted();
+        tokio::pin!(interrupted);
         let ending = loop {
-            let next = self.next_frame(&relay.watch).await;
+            let next = self.next_frame(interrupted.as_mut()).await;
             let ending = match next {
-                Next::Frame(frame) => self.pass(&mut relay, frame).await,
+                Next::Frame(frame) => self.pass(&mut relay, frame, interrupted.as_mut()).await,
                 Next::End => Some(Ending::quiet(relay.end.clone())),
                 Next::Idle => Some(self.timed_out_ending(Timeout::UpstreamIdle)),
                 Next::Broken(err) => Some(Ending::new(
@@ -107,14 +111,14 @@ impl QueuedRequest {
     }
 
     /// The upstream's next frame, within the class's idle limit.
-    async fn next_frame(&mut self, watch: &Watch) -> Next {
+    async fn next_frame(&mut self, interrupted: Pin<&mut impl Future<Output = Interrupt>>) -> Next {
         let idle = self.timeouts.upstream_idle;
         let Some(exchange) = self.exchange.as_mut() else {
             return Next::End;
         };
         tokio::select! {
             biased;
-            interrupt = watch.interrupted() => Next::Interrupted(interrupt),
+            interrupt = interrupted => Next::Interrupted(interrupt),
             frame = tokio::time::timeout(idle, exchange.frame()) => match frame {
                 Err(_) => Next::Idle,
                 Ok(None) => Next::End,
@@ -125,7 +129,12 @@ impl QueuedRequest {
     }
 
     /// Hands one frame to the client; returns the ending if this was the last or it failed.
-    async fn pass(&mut self, relay: &mut Relay, frame: Frame<Bytes>) -> Option<Ending> {
+    async fn pass(
+        &mut self,
+        relay: &mut Relay,
+        frame: Frame<Bytes>,
+        interrupted: Pin<&mut impl Future<Output = Interrupt>>,
+    ) -> Option<Ending> {
         if let Some(data) = frame.data_ref() {
             if let Some(permit) = &self.permit {
                 permit.progress().advance(relay.format.count_tokens(data));
@@ -140,7 +149,7 @@ impl QueuedRequest {
         }
         // A known length ends with its last data frame; hyper polls no further.
         let last = self.exchange.as_ref().is_some_and(Exchange::is_end_stream);
-        match deliver(&relay.feed, frame, self.timeouts.client_stall, &relay.watch).await {
+        match deliver(&relay.feed, frame, self.timeouts.client_stall, interrupted).await {
             Delivery::Delivered if last => Some(Ending::quiet(relay.end.clone())),
             Delivery::Delivered => None,
             Delivery::Stalled => Some(self.timed_out_ending(Timeout::ClientStall)),
@@ -241,10 +250,21 @@ impl Relay {
 }
 
 /// Hands `frame` over, waiting at most `stall` for room, unless the request is interrupted.
-async fn deliver(feed: &Feed, frame: Frame<Bytes>, stall: Duration, watch: &Watch) -> Delivery {
+async fn deliver(
+    feed: &Feed,
+    frame: Frame<Bytes>,
+    stall: Duration,
+    interrupted: Pin<&mut impl Future<Output = Interrupt>>,
+) -> Delivery {
+    // Room at once is the common case: no timer, no wait.
+    let frame = match feed.try_send(frame) {
+        Ok(()) => return Delivery::Delivered,
+        Err(Offer::Gone) => return Delivery::Gone,
+        Err(Offer::Full(frame)) => frame,
+    };
     tokio::select! {
         biased;
-        interrupt = watch.interrupted() => Delivery::Interrupted(interrupt),
+        interrupt = interrupted => Delivery::Interrupted(interrupt),
         sent = tokio::time::timeout(stall, feed.send(frame)) => match sent {
             Ok(Ok(())) => Delivery::Delivered,
             Ok(Err(_)) => Delivery::Gone,

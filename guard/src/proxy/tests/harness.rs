@@ -1,5 +1,6 @@
-//! The in-process world of the proxy tests: a scripted upstream that counts, from guard's
-//! side, the exchanges it has open; clients on pipes; metrics read from their handles.
+//! The in-process world of the proxy tests: a scripted upstream that counts the exchanges in
+//! flight (a request arrived, its answer not yet all produced, and guard has not closed the
+//! connection); clients on pipes; metrics read from their handles.
 
 use std::{
     convert::Infallible,
@@ -33,7 +34,7 @@ use tokio::{
 use crate::{
     config::Config,
     metrics::{Metrics, OUTCOMES},
-    proxy::{Connector, Parts, Proxy, serve_connection, upstream::BoxError},
+    proxy::{Dial, Parts, Proxy, serve_connection, upstream::BoxError},
     queue::Scheduler,
     reap::registry::Registry,
     watch::Watched,
@@ -55,6 +56,8 @@ pub enum Then {
     Reset,
     /// Answers 500 at once.
     Fail500,
+    /// Answers 200 with one JSON document at once (no stream).
+    Json,
 }
 
 /// What the scripted upstream does for one request; sent as the request's body.
@@ -101,12 +104,20 @@ impl Script {
     }
 }
 
-/// The scripted upstream's view: exchanges open on guard's side, and when each began.
+/// The scripted upstream's view: exchanges in flight, connections, and when each began.
 #[derive(Default)]
 pub struct Upstream {
     open: AtomicUsize,
     peak: AtomicUsize,
+    connections: AtomicUsize,
+    dials: AtomicUsize,
     starts: Mutex<Vec<Instant>>,
+}
+
+/// One connection's exchange state, shared by guard's end and the server's.
+#[derive(Default)]
+struct Wire {
+    in_flight: std::sync::atomic::AtomicBool,
 }
 
 impl Upstream {
@@ -133,14 +144,40 @@ impl Upstream {
         self.starts().len()
     }
 
-    /// Opens a connection for guard: the count rises now and falls when guard drops its end.
+    /// Connections guard holds to the upstream (idle ones included).
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
+    }
+
+    /// Connections guard has opened in all.
+    pub fn dials(&self) -> usize {
+        self.dials.load(Ordering::SeqCst)
+    }
+
+    fn begin(&self, wire: &Wire) {
+        if !wire.in_flight.swap(true, Ordering::SeqCst) {
+            let open = self.open.fetch_add(1, Ordering::SeqCst) + 1;
+            self.peak.fetch_max(open, Ordering::SeqCst);
+        }
+    }
+
+    fn end(&self, wire: &Wire) {
+        if wire.in_flight.swap(false, Ordering::SeqCst) {
+            self.open.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Opens a connection for guard, served by the scripted upstream.
     fn connect(self: &Arc<Self>) -> Counted {
-        let open = self.open.fetch_add(1, Ordering::SeqCst) + 1;
-        self.peak.fetch_max(open, Ordering::SeqCst);
+        self.connections.fetch_add(1, Ordering::SeqCst);
+        self.dials.fetch_add(1, Ordering::SeqCst);
         let (guard_end, server_end) = tokio::io::duplex(PIPE);
-        let upstream = Arc::clone(self);
+        let wire = Arc::new(Wire::default());
+        let (upstream, served) = (Arc::clone(self), Arc::clone(&wire));
         tokio::spawn(async move {
-            let service = service_fn(move |request| answer(Arc::clone(&upstream), request));
+            let service = service_fn(move |request| {
+                answer(Arc::clone(&upstream), Arc::clone(&served), request)
+            });
             let _ = server::Builder::new()
                 .serve_connection(TokioIo::new(server_end), service)
                 .await;
@@ -148,19 +185,22 @@ impl Upstream {
         Counted {
             inner: guard_end,
             upstream: Arc::clone(self),
+            wire,
         }
     }
 }
 
-/// guard's end of an upstream connection.
+/// guard's end of an upstream connection: dropping it ends any exchange on it at once.
 struct Counted {
     inner: DuplexStream,
     upstream: Arc<Upstream>,
+    wire: Arc<Wire>,
 }
 
 impl Drop for Counted {
     fn drop(&mut self) {
-        self.upstream.open.fetch_sub(1, Ordering::SeqCst);
+        self.upstream.end(&self.wire);
+        self.upstream.connections.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -197,6 +237,7 @@ type UpstreamBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 /// The scripted upstream answers one request: SSE frames, then as its script says.
 async fn answer(
     upstream: Arc<Upstream>,
+    wire: Arc<Wire>,
     request: Request<Incoming>,
 ) -> Result<Response<UpstreamBody>, Infallible> {
     let body = request
@@ -206,21 +247,33 @@ async fn answer(
         .map(|b| b.to_bytes())
         .unwrap_or_default();
     let script: Script = serde_json::from_slice(&body).expect("a script");
+    upstream.begin(&wire);
     upstream
         .starts
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .push(Instant::now());
-    if script.then == Then::Fail500 {
-        let body = Full::new(Bytes::from_static(b"{\"error\":\"boom\"}"))
+    if matches!(script.then, Then::Fail500 | Then::Json) {
+        let (status, text) = match script.then {
+            Then::Fail500 => (
+                http::StatusCode::INTERNAL_SERVER_ERROR,
+                "{\"error\":\"boom\"}",
+            ),
+            _ => (http::StatusCode::OK, "{\"content\":\"done\"}"),
+        };
+        let body = Full::new(Bytes::from_static(text.as_bytes()))
             .map_err(|never| match never {})
             .boxed();
         let mut response = Response::new(body);
-        *response.status_mut() = http::StatusCode::INTERNAL_SERVER_ERROR;
+        *response.status_mut() = status;
+        upstream.end(&wire);
         return Ok(response);
     }
     let (frames, receiver) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
-    tokio::spawn(play(script, frames));
+    tokio::spawn(async move {
+        play(script, frames).await;
+        upstream.end(&wire);
+    });
     let stream = futures_util::stream::unfold(receiver, |mut receiver| async move {
         receiver.recv().await.map(|item| (item, receiver))
     });
@@ -250,7 +303,7 @@ async fn play(script: Script, frames: mpsc::Sender<Result<Frame<Bytes>, BoxError
         }
     }
     match script.then {
-        Then::End | Then::Fail500 => {}
+        Then::End | Then::Fail500 | Then::Json => {}
         Then::Hang => frames.closed().await,
         Then::Reset => {
             let _ = frames.send(Err("reset by the script".into())).await;
@@ -304,8 +357,7 @@ impl Harness {
             half_close_means_gone: Arc::new(true.into()),
             watched: Arc::new(Watched::default()),
         };
-        let proxy =
-            Proxy::with_connector(&config, parts, Connector::Memory(connect)).expect("a proxy");
+        let proxy = Proxy::with_dial(&config, parts, Dial::Memory(connect)).expect("a proxy");
         Self {
             proxy: Arc::new(proxy),
             metrics,
@@ -442,7 +494,7 @@ impl Harness {
         }
     }
 
-    /// Waits until nothing waits, runs, or holds an upstream connection.
+    /// Waits until nothing waits, runs, or has an exchange at the upstream.
     pub async fn settle(&self) {
         self.until(|| self.scheduler.load() == (0, 0) && self.upstream.open() == 0)
             .await;
