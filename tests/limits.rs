@@ -187,7 +187,17 @@ async fn the_concurrency_bound_is_exact_under_a_random_mix_and_a_lowered_limit()
     ids.sort_unstable();
     ids.dedup();
     assert_eq!(ids.len(), reached, "no request reached the upstream twice");
-    assert_one_outcome_each(&guard.metrics_text().await, (2 * EACH_PHASE) as f64);
+    let text = guard.metrics_text().await;
+    assert_one_outcome_each(&text, (2 * EACH_PHASE) as f64);
+    for class in ["interactive", "batch"] {
+        let series =
+            format!("guard_failed_total{{class=\"{class}\",kind=\"upstream_unreachable\"}}");
+        assert_eq!(
+            metric(&text, &series).unwrap_or(0.0),
+            0.0,
+            "a kept-alive connection failed a request: {series}"
+        );
+    }
 }
 
 /// One llama-server slot; interactive has a 1.5 s deadline.

@@ -3,7 +3,9 @@
 //! how many exchanges it has in flight at once and when each began and last wrote.
 //!
 //! An exchange is in flight from its request's last byte until its answer's last byte is
-//! written or the connection is seen closed. When a request arrives, the server first looks
+//! handed to the kernel (counted just before: guard may read it and send the next request
+//! on the same kept-alive connection before this task runs again) or the connection is seen
+//! closed. When a request arrives, the server first looks
 //! at every other open exchange's socket (a non-blocking peek) so a close that guard made
 //! before sending it is counted before it: the peak is what guard really had open.
 
@@ -133,36 +135,33 @@ impl Counting {
     }
 
     /// Serves one connection: one request (guard opens one connection per queued request).
+    /// Serves one connection: a single document keeps it open for the next request, as
+    /// llama-server and Ollama do; after a stream it closes, as llama-server does.
     async fn serve(self, stream: TcpStream) {
         let _ = stream.set_nodelay(true);
         let fd = stream.as_raw_fd();
         let (mut reader, mut writer) = stream.into_split();
-        let Some(play) = read_request(&mut reader).await else {
-            return;
-        };
-        let id = self.begin(fd, &play);
-        let watch = async {
-            // Whatever guard sends next can only be its close.
-            let mut byte = [0u8; 1];
-            let _ = reader.read(&mut byte).await;
-        };
-        tokio::select! {
-            () = watch => {}
-            () = self.play(id, &play, &mut writer) => {}
-        }
-        self.end(id);
-        if play.mode == "reset" {
-            // SO_LINGER 0: the close is a reset.
-            if let Ok(stream) = reader.reunite(writer) {
-                let linger = libc::linger {
-                    l_onoff: 1,
-                    l_linger: 0,
-                };
-                let _ = nix::sys::socket::setsockopt(
-                    &stream,
-                    nix::sys::socket::sockopt::Linger,
-                    &linger,
-                );
+        while let Some(play) = read_request(&mut reader).await {
+            let id = self.begin(fd, &play);
+            let watch = async {
+                // guard sends nothing while an answer runs but, maybe, its close.
+                let mut byte = [0u8; 1];
+                match reader.peek(&mut byte).await {
+                    Ok(0) | Err(_) => {}
+                    Ok(_) => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                biased;
+                () = self.play(id, &play, &mut writer) => {}
+                () = watch => {}
+            }
+            self.end(id);
+            if !matches!(play.mode.as_str(), "complete" | "fail500") {
+                if play.mode == "reset" {
+                    reset_on_close(&reader);
+                }
+                return;
             }
         }
     }
@@ -208,12 +207,14 @@ impl Counting {
                 "fail500" => {
                     let body = "{\"error\":\"boom\"}";
                     let head = format!("HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len());
+                    self.end(id);
                     writer.write_all(head.as_bytes()).await?;
                 }
                 "complete" => {
                     tokio::time::sleep(gap).await;
                     let body = "{\"content\":\"done\"}";
                     let head = format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len());
+                    self.end(id);
                     writer.write_all(head.as_bytes()).await?;
                 }
                 _ => {
@@ -259,10 +260,21 @@ impl Counting {
         if play.mode == "stream" {
             let done = "data: [DONE]\n\n";
             let last = format!("{:x}\r\n{done}\r\n0\r\n\r\n", done.len());
+            self.end(id);
             writer.write_all(last.as_bytes()).await?;
         }
         Ok(())
     }
+}
+
+/// SO_LINGER 0: the close that follows is a reset.
+fn reset_on_close(reader: &OwnedReadHalf) {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    let _ =
+        nix::sys::socket::setsockopt(reader.as_ref(), nix::sys::socket::sockopt::Linger, &linger);
 }
 
 /// Whether the peer of `fd` has closed: a non-blocking peek reads end of file or an error.

@@ -199,17 +199,35 @@ async fn a_client_that_leaves_is_reaped_queued_or_running() {
     guard
         .until(|| guard.count("queue_depth", &["batch"]) == 1)
         .await;
-    queued.abort();
+    guard.leave(&queued);
     guard
         .until(|| guard.count("reaped_total", &["batch", "queued"]) == 1)
         .await;
-    running.abort();
+    guard.leave(&running);
     guard
         .until(|| guard.count("reaped_total", &["batch", "running"]) == 1)
         .await;
+    // One that leaves while the upstream has not answered yet was running too.
+    let slow = guard
+        .open_stalled(
+            "batch",
+            Script::frames(1).head_after(Duration::from_secs(5)),
+        )
+        .await;
+    guard.until(|| guard.upstream.started() == 2).await;
+    let left = Instant::now();
+    guard.leave(&slow);
+    guard
+        .until(|| guard.count("reaped_total", &["batch", "running"]) == 2)
+        .await;
+    assert_eq!(
+        left.elapsed(),
+        Duration::ZERO,
+        "reaped at once, not when it answered"
+    );
     assert_eq!(
         guard.upstream.started(),
-        1,
+        2,
         "the queued one never reached it"
     );
     assert_eq!(guard.upstream.open(), 0, "the running exchange was closed");

@@ -117,6 +117,11 @@ impl Registry {
         Some(connection)
     }
 
+    /// The open connection from `peer`, if there is one.
+    pub fn find(&self, peer: SocketAddr) -> Option<Arc<Connection>> {
+        self.lock().get(&canonical(peer)).cloned()
+    }
+
     pub fn len(&self) -> usize {
         self.lock().len()
     }

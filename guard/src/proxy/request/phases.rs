@@ -245,6 +245,12 @@ impl QueuedRequest {
         head: &request::Parts,
         body: Bytes,
     ) -> Phase<(Exchange, http::response::Parts)> {
+        // A turn that came as its client left (a burst of departures hands permits along)
+        // never reached the upstream: it leaves as reaped while queued.
+        if self.connection.is_gone() {
+            return Err(self.interrupted(super::Interrupt::ClientGone));
+        }
+        self.stage = Stage::Running;
         let request = self
             .proxy
             .upstream

@@ -67,6 +67,8 @@ pub struct Script {
     gap_ms: u64,
     frame_bytes: usize,
     then: Then,
+    /// Time before the answer's head.
+    head_ms: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     max_tokens: Option<u64>,
 }
@@ -78,8 +80,15 @@ impl Script {
             gap_ms: GAP.as_millis() as u64,
             frame_bytes: 0,
             then: Then::End,
+            head_ms: 0,
             max_tokens: None,
         }
+    }
+
+    /// Waits this long before answering at all.
+    pub fn head_after(mut self, delay: Duration) -> Self {
+        self.head_ms = delay.as_millis() as u64;
+        self
     }
 
     pub fn gap(mut self, gap: Duration) -> Self {
@@ -253,6 +262,7 @@ async fn answer(
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .push(Instant::now());
+    tokio::time::sleep(Duration::from_millis(script.head_ms)).await;
     if matches!(script.then, Then::Fail500 | Then::Json) {
         let (status, text) = match script.then {
             Then::Fail500 => (
@@ -309,6 +319,12 @@ async fn play(script: Script, frames: mpsc::Sender<Result<Frame<Bytes>, BoxError
             let _ = frames.send(Err("reset by the script".into())).await;
         }
     }
+}
+
+/// A client that never reads its answer.
+pub struct Stalled {
+    pub task: JoinHandle<()>,
+    peer: std::net::SocketAddr,
 }
 
 /// What a client got.
@@ -369,6 +385,10 @@ impl Harness {
 
     /// A client's end of a new connection, which guard serves as it serves TCP.
     fn client(&self, buffer: usize) -> DuplexStream {
+        self.client_at(buffer).0
+    }
+
+    fn client_at(&self, buffer: usize) -> (DuplexStream, std::net::SocketAddr) {
         let (client_end, guard_end) = tokio::io::duplex(buffer);
         let port = self.next_port.fetch_add(1, Ordering::Relaxed);
         let peer = std::net::SocketAddr::from(([127, 0, 0, 1], port));
@@ -379,7 +399,7 @@ impl Harness {
             None,
             None,
         ));
-        client_end
+        (client_end, peer)
     }
 
     fn request(class: &str, script: &Script) -> Request<Full<Bytes>> {
@@ -419,12 +439,11 @@ impl Harness {
         })
     }
 
-    /// A client that sends its request, takes the response head and never reads the body;
-    /// aborting the task is the client leaving.
-    pub async fn open_stalled(&self, class: &str, script: Script) -> JoinHandle<()> {
-        let io = self.client(4 << 10);
+    /// A client that sends its request, takes the response head and never reads the body.
+    pub async fn open_stalled(&self, class: &str, script: Script) -> Stalled {
+        let (io, peer) = self.client_at(4 << 10);
         let request = Self::request(class, &script);
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             let (mut sender, connection) = client::handshake(TokioIo::new(io))
                 .await
                 .expect("handshake");
@@ -434,7 +453,16 @@ impl Harness {
                 _ = &mut connection => return,
             };
             let _ = connection.await;
-        })
+        });
+        Stalled { task, peer }
+    }
+
+    /// The client leaves: its pipe closes, and the kernel's event (here, its stand-in) says so.
+    pub fn leave(&self, client: &Stalled) {
+        client.task.abort();
+        if let Some(connection) = self.proxy.connections.find(client.peer) {
+            connection.mark_gone(crate::reap::event::monotonic_now());
+        }
     }
 
     /// A client that announces `bytes` of body and sends one byte every `every`.
@@ -476,7 +504,7 @@ impl Harness {
         }
     }
 
-    /// Lets the world run, in virtual time, until `condition` holds (at most ten minutes).
+    /// Lets the world run, in virtual time, until `condition` holds (at most two minutes).
     pub async fn until(&self, condition: impl Fn() -> bool) {
         let started = Instant::now();
         while !condition() {
@@ -487,7 +515,7 @@ impl Harness {
                 }
             }
             assert!(
-                started.elapsed() < Duration::from_secs(600),
+                started.elapsed() < Duration::from_secs(120),
                 "the condition never held"
             );
             tokio::time::sleep(Duration::from_millis(1)).await;
