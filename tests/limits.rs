@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use guard_tests::{
-    counting::{Counting, Play},
+    counting::{Counting, Play, post_play, stalled_reader},
     http::{self, Leave, leave, post, post_streamed, raw_request},
     metric, serial,
     servers::{GuardProcess, Launch, LlamaServer},
@@ -311,13 +311,7 @@ async fn an_upstream_that_stops_mid_stream_frees_the_slot_within_its_timeout() {
         post_streamed(addr, "/v1/chat/completions", &[], &play.json()).await
     });
     until("the stuck exchange runs", async || upstream.open() == 1).await;
-    let next = post(
-        guard.listen,
-        "/v1/chat/completions",
-        &[],
-        &Play::new("complete").json(),
-    )
-    .await;
+    let next = post_play(guard.listen, &Play::new("complete")).await;
     assert_eq!(next.status, 200, "the next request is served");
     let stuck = stuck.await.expect("stuck");
     let text: String = stuck
@@ -344,27 +338,9 @@ async fn a_client_that_stops_reading_frees_the_slot_within_its_timeout() {
     let upstream = Counting::start().await;
     let guard = GuardProcess::start(upstream.addr, "openai", STALL_CONFIG);
     // A small receive buffer, and never a read: the upstream floods until guard stops.
-    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
-    let mut reader = socket.connect(guard.listen).await.expect("connect");
-    let body = Play::new("flood")
-        .frames(0, 0)
-        .bytes(16 << 10)
-        .json()
-        .to_string();
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: guard\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    reader.write_all(head.as_bytes()).await.expect("send");
+    let _reader = stalled_reader(guard.listen).await;
     until("the flood runs", async || upstream.open() == 1).await;
-    let next = post(
-        guard.listen,
-        "/v1/chat/completions",
-        &[],
-        &Play::new("complete").json(),
-    )
-    .await;
+    let next = post_play(guard.listen, &Play::new("complete")).await;
     assert_eq!(next.status, 200, "the next request is served");
     let exchanges = upstream.exchanges();
     let last_write = exchanges[0].last_write.expect("flooded");
@@ -421,13 +397,7 @@ async fn a_body_sent_one_byte_a_second_is_cut_off_within_its_timeout() {
         after >= Duration::from_millis(900) && after <= Duration::from_millis(1_100),
         "cut off after {after:?} (limit 1000 ms)"
     );
-    let next = post(
-        guard.listen,
-        "/v1/chat/completions",
-        &[],
-        &Play::new("complete").json(),
-    )
-    .await;
+    let next = post_play(guard.listen, &Play::new("complete")).await;
     assert_eq!(next.status, 200, "the next request is served");
     assert_eq!(
         upstream.exchanges().len(),

@@ -5,13 +5,13 @@
 use std::time::{Duration, Instant};
 
 use guard_tests::{
-    counting::{Counting, Play},
+    counting::{Counting, Play, post_play, stalled_reader},
     http::{post, post_streamed},
     servers::{GuardProcess, LlamaServer},
     workload::percentile,
 };
 use serde_json::json;
-use tokio::{io::AsyncWriteExt as _, task::JoinSet};
+use tokio::task::JoinSet;
 
 const ROUNDS: usize = 4;
 const PER_ROUND: usize = 8;
@@ -156,13 +156,7 @@ async fn stall_overshoot(client_stall: bool) -> Vec<Duration> {
             );
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        let next = post(
-            guard.listen,
-            "/v1/chat/completions",
-            &[],
-            &Play::new("complete").json(),
-        )
-        .await;
+        let next = post_play(guard.listen, &Play::new("complete")).await;
         assert_eq!(next.status, 200);
         let exchanges = upstream.exchanges();
         let (stalled, next) = (&exchanges[before], &exchanges[before + 1]);
@@ -171,18 +165,4 @@ async fn stall_overshoot(client_stall: bool) -> Vec<Duration> {
         samples.push(freed.saturating_sub(Duration::from_millis(STALL_MS)));
     }
     samples
-}
-
-/// A client with a small receive buffer that asks for a flood and never reads.
-async fn stalled_reader(addr: std::net::SocketAddr) -> tokio::net::TcpStream {
-    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
-    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
-    let mut stream = socket.connect(addr).await.expect("connect");
-    let body = Play::new("flood").bytes(16 << 10).json().to_string();
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: guard\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await.expect("send");
-    stream
 }

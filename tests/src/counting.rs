@@ -91,6 +91,25 @@ impl Play {
     }
 }
 
+/// Sends `play` to a queued endpoint at `addr` and reads the whole answer.
+pub async fn post_play(addr: SocketAddr, play: &Play) -> crate::http::Response {
+    crate::http::post(addr, "/v1/chat/completions", &[], &play.json()).await
+}
+
+/// A client with a small receive buffer that asks for a flood and never reads it.
+pub async fn stalled_reader(addr: SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut stream = socket.connect(addr).await.expect("connect");
+    let body = Play::new("flood").bytes(16 << 10).json().to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: guard\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.expect("send");
+    stream
+}
+
 impl Counting {
     pub async fn start() -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");

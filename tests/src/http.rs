@@ -120,13 +120,22 @@ pub async fn send(
     })
 }
 
-pub async fn post_streamed(
+/// Sends a POST on a fresh connection and returns its response head and body unread, with
+/// the connection (dropping it closes the socket).
+async fn open_post(
     addr: SocketAddr,
     path: &str,
     headers: &[(&str, &str)],
     body: &serde_json::Value,
-) -> Streamed {
-    let (mut sender, _connection) = connect(addr).await.expect("connect");
+) -> Result<
+    (
+        hyper::Response<hyper::body::Incoming>,
+        Sender,
+        ConnectionTask,
+    ),
+    String,
+> {
+    let (mut sender, connection) = connect(addr).await?;
     let response = sender
         .send_request(request(
             "POST",
@@ -134,6 +143,18 @@ pub async fn post_streamed(
             headers,
             Bytes::from(body.to_string()),
         ))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((response, sender, connection))
+}
+
+pub async fn post_streamed(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &serde_json::Value,
+) -> Streamed {
+    let (response, _sender, _connection) = open_post(addr, path, headers, body)
         .await
         .expect("response head");
     let status = response.status().as_u16();
@@ -218,16 +239,7 @@ pub async fn post_frames(
     body: &serde_json::Value,
     frames: usize,
 ) -> Result<u16, String> {
-    let (mut sender, connection) = connect(addr).await?;
-    let response = sender
-        .send_request(request(
-            "POST",
-            path,
-            headers,
-            Bytes::from(body.to_string()),
-        ))
-        .await
-        .map_err(|e| e.to_string())?;
+    let (response, sender, connection) = open_post(addr, path, headers, body).await?;
     let status = response.status().as_u16();
     let mut body = response.into_body();
     for _ in 0..frames {

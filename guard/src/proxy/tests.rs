@@ -32,6 +32,13 @@ fn config(slots: u32) -> Config {
     config
 }
 
+/// `config(slots)` with one class changed.
+fn with_class(slots: u32, name: &str, change: impl FnOnce(&mut ClassConfig)) -> Config {
+    let mut config = config(slots);
+    change(config.class.get_mut(name).expect("a class of config()"));
+    config
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_stream_completes_and_its_slot_returns() {
     let guard = Harness::new(config(1));
@@ -128,13 +135,9 @@ async fn a_trickled_body_is_cut_off_at_its_timeout() {
 
 #[tokio::test(start_paused = true)]
 async fn max_duration_ends_a_request_waiting_or_running() {
-    let mut config = config(1);
-    config
-        .class
-        .get_mut("batch")
-        .expect("batch")
-        .max_duration_ms = Some(3_000);
-    let guard = Harness::new(config);
+    let guard = Harness::new(with_class(1, "batch", |class| {
+        class.max_duration_ms = Some(3_000);
+    }));
     let running = guard.spawn("batch", Script::frames(100).gap(100 * MS));
     guard.until(|| guard.upstream.started() == 1).await;
     let waiting = guard.send("batch", Script::frames(1)).await;
@@ -158,13 +161,9 @@ async fn max_duration_ends_a_request_waiting_or_running() {
 
 #[tokio::test(start_paused = true)]
 async fn a_backlog_that_misses_the_deadline_is_refused_on_arrival() {
-    let mut config = config(1);
-    config
-        .class
-        .get_mut("interactive")
-        .expect("interactive")
-        .deadline_ms = Some(1_500);
-    let guard = Harness::new(config);
+    let guard = Harness::new(with_class(1, "interactive", |class| {
+        class.deadline_ms = Some(1_500);
+    }));
     // Teach the estimator: 10 ms a token.
     for tokens in [10, 50, 20] {
         let script = Script::frames(tokens).gap(10 * MS).tokens(tokens);
