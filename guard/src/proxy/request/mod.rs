@@ -270,9 +270,10 @@ impl QueuedRequest {
     /// An error answer, tagged with the class once there is one.
     fn answer(&self, error: ProxyError) -> Response<Body> {
         let response = error.into_response(self.shape);
-        match self.class.is_some() {
-            true => self.tag(response),
-            false => response,
+        if self.class.is_some() {
+            self.tag(response)
+        } else {
+            response
         }
     }
 

@@ -8,7 +8,7 @@ use http::{Response, header, response};
 use http_body::Frame;
 use http_body_util::BodyExt as _;
 
-use super::{Ending, Interrupt, QueuedRequest, Watch};
+use super::{Ending, Interrupt, QueuedRequest};
 use crate::{
     proxy::{
         client_body::{ClientBody, Feed, Offer},
@@ -43,11 +43,10 @@ enum Delivery {
 
 /// The answer's way to the client, and what is known of it.
 pub(super) struct Relay {
-    pub feed: Feed,
-    pub format: StreamFormat,
+    feed: Feed,
+    format: StreamFormat,
     /// The outcome if the upstream ends its answer: completed, or failed for a 5xx.
     end: Outcome,
-    watch: Watch,
     sent_data: bool,
     /// The end of an Ollama answer, where its load_duration tells a cold load.
     tail: Option<Vec<u8>>,
@@ -75,12 +74,11 @@ impl QueuedRequest {
             feed,
             format,
             end,
-            watch: self.watch(),
             sent_data: false,
             tail: (self.shape == ErrorShape::Ollama).then(Vec::new),
         };
         // One interrupt future for the whole answer: frames are token-sized and many.
-        let watch = relay.watch.clone();
+        let watch = self.watch();
         let interrupted = watch.interrupted();
         tokio::pin!(interrupted);
         let ending = loop {
