@@ -4,6 +4,15 @@
 use anyhow::Context as _;
 
 fn main() -> anyhow::Result<()> {
+    // Under cargo fuzz (`--cfg fuzzing`) the fuzz targets never load the program, and the
+    // fuzzer's instrumentation flags would reach the BPF build: leave an empty object.
+    println!("cargo::rustc-check-cfg=cfg(fuzzing)");
+    if std::env::var_os("CARGO_CFG_FUZZING").is_some() {
+        let out = std::env::var("OUT_DIR").context("OUT_DIR")?;
+        std::fs::write(std::path::Path::new(&out).join("guard-ebpf"), b"")
+            .context("writing the empty eBPF object")?;
+        return Ok(());
+    }
     // aya-ebpf uses `#![feature]`; this scope lets only that crate do so, and tells aya-build
     // not to pass `-Z build-std`. SAFETY: build scripts are single-threaded at this point.
     unsafe { std::env::set_var("RUSTC_BOOTSTRAP", "aya_ebpf") };

@@ -99,7 +99,7 @@ impl Classifier {
                 });
             }
             return Err(UnknownClass {
-                given,
+                given: crate::quote::quote(&given),
                 header: header.to_string(),
                 known: self.known.join(", "),
             });

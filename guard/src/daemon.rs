@@ -57,6 +57,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
     let mut interrupt = signal(SignalKind::interrupt()).map_err(DaemonError::Signal)?;
     let mut hangup = signal(SignalKind::hangup()).map_err(DaemonError::Signal)?;
     raise_open_file_limit();
+    crate::memory::return_large_blocks_to_the_system();
     let metrics = Metrics::new();
     for class in config.class.keys() {
         metrics.init_class(class);
@@ -107,7 +108,16 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
         Arc::clone(&watched),
         started,
     );
-    let metrics_task = tokio::spawn(metrics::serve(metrics_listener, metrics.clone(), status));
+    let limits = metrics::Limits {
+        max_connections: config.metrics.max_connections as usize,
+        header_read_timeout: Duration::from_millis(config.metrics.header_read_timeout_ms),
+    };
+    let metrics_task = tokio::spawn(metrics::serve(
+        metrics_listener,
+        metrics.clone(),
+        status,
+        limits,
+    ));
     let (configs, configs_seen) = watch::channel(config.clone());
     let risk_task = tokio::spawn(risk::run(
         configs_seen,
@@ -233,7 +243,7 @@ fn reload(
         tracing::warn!("SIGHUP: guard runs on built-in defaults; there is no file to reload");
         return current;
     };
-    match Config::load(path) {
+    match Config::load_for_reload(path) {
         Ok(next) => {
             for (key, changed) in [
                 ("server.listen", next.server.listen != current.server.listen),
@@ -242,6 +252,14 @@ fn reload(
                     next.metrics.listen != current.metrics.listen,
                 ),
                 ("upstream.url", next.upstream.url != current.upstream.url),
+                (
+                    "server.max_connections",
+                    next.server.max_connections != current.server.max_connections,
+                ),
+                (
+                    "metrics.max_connections / header_read_timeout_ms",
+                    next.metrics != current.metrics,
+                ),
                 ("ebpf.enabled", next.ebpf.enabled != current.ebpf.enabled),
                 (
                     "class.*.cgroup / throttle",

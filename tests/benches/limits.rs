@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use guard_tests::{
     counting::{Counting, Play, post_play, stalled_reader},
-    http::{post, post_streamed},
+    http::{post, post_streamed, raw_request},
+    metric, rss_bytes,
     servers::{GuardProcess, LlamaServer},
     workload::percentile,
 };
@@ -24,6 +25,7 @@ fn main() {
         .build()
         .expect("runtime");
     runtime.block_on(async {
+        waiting_bodies().await;
         prediction_error().await;
         println!("2. stall -> next request starts at the upstream, {TRIALS} trials each, limit {STALL_MS} ms:");
         for (name, client_stall) in [("upstream stops mid-stream", false), ("client stops reading", true)] {
@@ -39,6 +41,71 @@ fn main() {
             );
         }
     });
+}
+
+/// 1,000 requests of 1 MiB each wait behind a busy slot: guard's memory against the bytes it
+/// holds, and after the clients leave, against idle.
+async fn waiting_bodies() {
+    const CLIENTS: usize = 1_000;
+    const MIB: usize = 1 << 20;
+    let upstream = Counting::start().await;
+    let config = "[server]\nbody_limit_bytes = 2097152\nmax_body_bytes_in_flight = 2147483648\n\
+                  [class.interactive]\nmax_queue = 2000\n";
+    let guard = GuardProcess::start(upstream.addr, "openai", config);
+    // Idle after a first request: what any serving guard has touched.
+    let mut body = Play::new("complete").json();
+    body["pad"] = serde_json::Value::String(" ".repeat(MIB - 64));
+    assert_eq!(
+        post(guard.listen, "/v1/chat/completions", &[], &body)
+            .await
+            .status,
+        200
+    );
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let idle = rss_bytes(guard.pid());
+    let _busy = raw_request(
+        guard.listen,
+        "/v1/chat/completions",
+        &[],
+        &Play::new("hang").frames(1, 0).json(),
+    )
+    .await;
+    let mut clients = Vec::with_capacity(CLIENTS);
+    for _ in 0..CLIENTS {
+        clients.push(raw_request(guard.listen, "/v1/chat/completions", &[], &body).await);
+    }
+    let held = loop {
+        let text = guard.metrics_text().await;
+        let depth = metric(&text, "guard_queue_depth{class=\"interactive\"}").unwrap_or(0.0);
+        if depth as usize >= CLIENTS {
+            break metric(&text, "guard_body_bytes_in_flight").unwrap_or(0.0);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let loaded = rss_bytes(guard.pid());
+    drop(clients);
+    loop {
+        let text = guard.metrics_text().await;
+        if metric(&text, "guard_body_bytes_in_flight") == Some(0.0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The watchers hand freed memory back once a tick (a second).
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let after = rss_bytes(guard.pid());
+    let mib = |b: f64| b / MIB as f64;
+    let grown = loaded.saturating_sub(idle) as f64;
+    println!("0. memory for {CLIENTS} requests of 1 MiB waiting behind a busy slot:");
+    println!(
+        "   idle {:.0} MiB; waiting {:.0} MiB for {:.0} MiB of bodies held: {:.2}x the bytes held (goal <= 1.1x); after they left {:.0} MiB: {:+.1} % of idle (goal within 10 %)",
+        mib(idle as f64),
+        mib(loaded as f64),
+        mib(held),
+        grown / held,
+        mib(after as f64),
+        (after as f64 - idle as f64) / idle as f64 * 100.0
+    );
 }
 
 /// Rounds of mixed work on one llama-server slot; guard's debug log says, for each dispatched

@@ -41,6 +41,8 @@ pub struct Play {
 #[derive(Clone, Debug)]
 pub struct Exchange {
     pub id: u64,
+    /// The request line and headers as they arrived.
+    pub head: String,
     pub mode: String,
     pub started: Instant,
     pub last_write: Option<Instant>,
@@ -53,6 +55,9 @@ struct State {
     open: HashMap<u64, RawFd>,
     peak: usize,
     exchanges: Vec<Exchange>,
+    /// Heads of requests without a body (guard's watchers, pass-through GETs): answered,
+    /// never counted as exchanges.
+    bodiless: Vec<String>,
 }
 
 /// The server; stops with the runtime that runs it.
@@ -149,8 +154,16 @@ impl Counting {
         state.peak = state.open.len();
     }
 
+    /// Requests with a body, in the order they came.
     pub fn exchanges(&self) -> Vec<Exchange> {
         self.lock().exchanges.clone()
+    }
+
+    /// The heads of every request, with a body or without.
+    pub fn heads(&self) -> Vec<String> {
+        let state = self.lock();
+        let bodied = state.exchanges.iter().map(|e| e.head.clone());
+        bodied.chain(state.bodiless.iter().cloned()).collect()
     }
 
     /// Serves one connection: one request (guard opens one connection per queued request).
@@ -160,8 +173,19 @@ impl Counting {
         let _ = stream.set_nodelay(true);
         let fd = stream.as_raw_fd();
         let (mut reader, mut writer) = stream.into_split();
-        while let Some(play) = read_request(&mut reader).await {
-            let id = self.begin(fd, &play);
+        while let Some((head, play)) = read_request(&mut reader).await {
+            let Some(play) = play else {
+                self.lock().bodiless.push(head);
+                if self
+                    .play(u64::MAX, &Play::new("complete"), &mut writer)
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                continue;
+            };
+            let id = self.begin(fd, head, &play);
             let watch = async {
                 // guard sends nothing while an answer runs but, maybe, its close.
                 let mut byte = [0u8; 1];
@@ -172,7 +196,7 @@ impl Counting {
             };
             tokio::select! {
                 biased;
-                () = self.play(id, &play, &mut writer) => {}
+                _ = self.play(id, &play, &mut writer) => {}
                 () = watch => {}
             }
             self.end(id);
@@ -185,7 +209,7 @@ impl Counting {
         }
     }
 
-    fn begin(&self, fd: RawFd, play: &Play) -> u64 {
+    fn begin(&self, fd: RawFd, head: String, play: &Play) -> u64 {
         let mut state = self.lock();
         // Closes guard made before this request came are counted first.
         state.open.retain(|_, other| !peer_closed(*other));
@@ -194,6 +218,7 @@ impl Counting {
         state.peak = state.peak.max(state.open.len());
         state.exchanges.push(Exchange {
             id: play.id,
+            head,
             mode: play.mode.clone(),
             started: Instant::now(),
             last_write: None,
@@ -218,7 +243,13 @@ impl Counting {
         }
     }
 
-    async fn play(&self, id: u64, play: &Play, writer: &mut tokio::net::tcp::OwnedWriteHalf) {
+    /// Answers as `play` says; an error means the connection broke.
+    async fn play(
+        &self,
+        id: u64,
+        play: &Play,
+        writer: &mut tokio::net::tcp::OwnedWriteHalf,
+    ) -> std::io::Result<()> {
         let gap = Duration::from_millis(play.gap_ms);
         let sse = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
         let result: std::io::Result<()> = async {
@@ -250,6 +281,7 @@ impl Counting {
             // Holds the connection open, sending nothing, until guard closes it.
             std::future::pending::<()>().await;
         }
+        result
     }
 
     /// The stream's frames, and its end where the mode has one.
@@ -316,20 +348,26 @@ fn peer_closed(fd: RawFd) -> bool {
     }
 }
 
-/// Reads one request (head and Content-Length body); its body is the play.
-async fn read_request(reader: &mut OwnedReadHalf) -> Option<Play> {
+/// Reads one request (head and Content-Length body); its body is the play (None: no body).
+async fn read_request(reader: &mut OwnedReadHalf) -> Option<(String, Option<Play>)> {
     let mut seen = Vec::new();
     let mut buffer = [0u8; 4096];
     loop {
         if let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&seen[..end]).to_ascii_lowercase();
+            let head = String::from_utf8_lossy(&seen[..end]).into_owned();
             let length: usize = head
+                .to_ascii_lowercase()
                 .lines()
                 .find_map(|line| line.strip_prefix("content-length:"))
                 .and_then(|value| value.trim().parse().ok())
                 .unwrap_or(0);
             if seen.len() >= end + 4 + length {
-                return serde_json::from_slice(&seen[end + 4..end + 4 + length]).ok();
+                let body = &seen[end + 4..end + 4 + length];
+                let play = match length {
+                    0 => None,
+                    _ => Some(serde_json::from_slice(body).ok()?),
+                };
+                return Some((head, play));
             }
         }
         match reader.read(&mut buffer).await {

@@ -162,6 +162,8 @@ pub struct Launch {
     /// Pinned to this CPU: every packet guard sends then leaves through one CPU's queue, in
     /// the order guard sent it (a close before the next connect, as a peer sees it).
     pub cpu: Option<usize>,
+    /// Its open-file limit, soft and hard (so guard cannot raise it).
+    pub nofile: Option<u64>,
 }
 
 impl Default for Launch {
@@ -170,6 +172,7 @@ impl Default for Launch {
             unprivileged: false,
             log_filter: std::env::var("GUARD_LOG").unwrap_or_else(|_| "info".to_owned()),
             cpu: None,
+            nofile: None,
         }
     }
 }
@@ -244,7 +247,7 @@ impl GuardProcess {
         let launch = Launch {
             unprivileged,
             log_filter: log_filter.to_owned(),
-            cpu: None,
+            ..Launch::default()
         };
         Self::launch(upstream, api, extra, &launch)
     }
@@ -255,6 +258,7 @@ impl GuardProcess {
             unprivileged,
             log_filter,
             cpu,
+            nofile,
         } = launch;
         let unprivileged = *unprivileged;
         let dir = TempDir::new(&format!("guard-e2e-{}", free_addr().port()));
@@ -276,12 +280,19 @@ impl GuardProcess {
         let config = config.to_string();
         let config_path = dir.0.join("guard.toml");
         std::fs::write(&config_path, config).expect("write config");
-        // taskset execs guard: the child's pid is guard's.
-        let mut command = match cpu {
-            Some(cpu) => {
-                let mut taskset = Command::new("taskset");
-                taskset.args(["-c", &cpu.to_string()]).arg(guard_bin());
-                taskset
+        // prlimit and taskset exec what follows them: the child's pid is guard's.
+        let mut wrappers: Vec<String> = Vec::new();
+        if let Some(nofile) = nofile {
+            wrappers.extend(["prlimit".to_owned(), format!("--nofile={nofile}:{nofile}")]);
+        }
+        if let Some(cpu) = cpu {
+            wrappers.extend(["taskset".to_owned(), "-c".to_owned(), cpu.to_string()]);
+        }
+        let mut command = match wrappers.split_first() {
+            Some((first, rest)) => {
+                let mut wrapped = Command::new(first);
+                wrapped.args(rest).arg(guard_bin());
+                wrapped
             }
             None => Command::new(guard_bin()),
         };

@@ -3,6 +3,7 @@
 //! xtask never depends on guard itself: it must build on a fresh machine before `setup` has
 //! installed what guard's eBPF build needs.
 
+mod fuzz;
 mod gpu;
 mod install;
 mod llama;
@@ -51,6 +52,9 @@ fn main() -> Result<()> {
         Task::Setup => setup::all().map(|_| ()),
         Task::Test { args } => tasks::test(&args),
         Task::Demo => tasks::demo(),
+        Task::Bench {
+            which: tasks::Bench::Fuzz,
+        } => fuzz::bench(),
         Task::Bench { which } => tasks::bench(which),
         Task::Install { root } => install::install(root.as_deref()),
         Task::GpuCheck => tasks::gpu_check(),

@@ -19,11 +19,18 @@ const APT_PACKAGES: &[(&str, Option<&str>)] = &[
     ("cmake", None),
     ("prometheus", None),
     ("iproute2", None),
+    // The hostile-client tests: curl is one of the clients that must see a 413; prlimit and
+    // taskset (util-linux) bound and pin guard.
+    ("curl", None),
+    ("util-linux", None),
 ];
 
 /// Python clients the end-to-end tests drive guard with.
-const PYTHON_PACKAGES: &[(&str, &str)] =
-    &[("ollama", "ollama==0.6.3"), ("openai", "openai==3.57.0")];
+const PYTHON_PACKAGES: &[(&str, &str)] = &[
+    ("ollama", "ollama==0.6.3"),
+    ("openai", "openai==3.57.0"),
+    ("requests", "requests==2.34.2"),
+];
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
 

@@ -19,8 +19,11 @@ pub enum Bench {
     Footprint,
     /// Interactive TTFT and batch throughput with and without cgroup throttling.
     Protect,
-    /// Start-prediction error on llama-server; time from a stall to the next request.
+    /// Start-prediction error on llama-server; time from a stall to the next request; memory
+    /// held by waiting bodies.
     Limits,
+    /// Each libFuzzer target for a million inputs.
+    Fuzz,
 }
 
 impl Bench {
@@ -32,6 +35,7 @@ impl Bench {
             Self::Footprint => "footprint",
             Self::Protect => "protect",
             Self::Limits => "limits",
+            Self::Fuzz => "fuzz",
         }
     }
 }

@@ -11,6 +11,8 @@ pub enum ConfigError {
         file: PathBuf,
         source: std::io::Error,
     },
+    #[error("{}: the file sets no key; a reload keeps the running config (a truncated write?)", file.display())]
+    Empty { file: PathBuf },
     #[error("{}{}: {key}: {message}", file.display(), line.map(|l| format!(":{l}")).unwrap_or_default())]
     Invalid {
         file: PathBuf,

@@ -47,6 +47,12 @@ pub struct ServerConfig {
     pub drain_grace_ms: u64,
     /// Whether a client's half-close (FIN) while its request is pending means it has gone.
     pub half_close_means_gone: bool,
+    /// Paths whose POSTs are generation work (queued), matched as the upstream decodes them.
+    pub queued_paths: Vec<String>,
+    /// Client connections open at once; one more is answered 503 and closed.
+    pub max_connections: u32,
+    /// Bytes of request bodies being read or waiting, over all connections; past it: 503.
+    pub max_body_bytes_in_flight: u64,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -60,6 +66,8 @@ pub struct UpstreamConfig {
     pub response_timeout_ms: u64,
     /// Refuse (403) requests for models served from elsewhere (Ollama's remote/cloud models).
     pub refuse_remote_models: bool,
+    /// Pass-through requests in flight at once; one more is answered 503.
+    pub max_passthrough: u32,
 }
 
 /// The upstream's API flavour: decides the error body shape on paths it does not name itself.
@@ -74,6 +82,10 @@ pub enum Api {
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
     pub listen: SocketAddr,
+    /// Scrapers connected at once; more are closed at once.
+    pub max_connections: u32,
+    /// A scraper must send its request head within this time.
+    pub header_read_timeout_ms: u64,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -287,6 +299,12 @@ impl Default for ServerConfig {
             body_limit_bytes: 16 << 20,
             drain_grace_ms: 30_000,
             half_close_means_gone: true,
+            queued_paths: crate::route::DEFAULT_QUEUED
+                .iter()
+                .map(|p| (*p).to_owned())
+                .collect(),
+            max_connections: 4_096,
+            max_body_bytes_in_flight: 256 << 20,
         }
     }
 }
@@ -300,6 +318,7 @@ impl Default for UpstreamConfig {
             connect_timeout_ms: 2_000,
             response_timeout_ms: 300_000,
             refuse_remote_models: false,
+            max_passthrough: 64,
         }
     }
 }
@@ -308,6 +327,8 @@ impl Default for MetricsConfig {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 9464)),
+            max_connections: 32,
+            header_read_timeout_ms: 5_000,
         }
     }
 }
@@ -391,6 +412,36 @@ impl Config {
             source,
         })?;
         Self::parse(&text, path)
+    }
+
+    /// Reads a file for a reload: like `load`, but a file that sets no key at all is refused
+    /// rather than taken for the built-in defaults (a half-written file must not wipe every
+    /// class and rule).
+    pub fn load_for_reload(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            file: path.to_owned(),
+            source,
+        })?;
+        if text
+            .parse::<toml::Table>()
+            .is_ok_and(|table| table.is_empty())
+        {
+            return Err(ConfigError::Empty {
+                file: path.to_owned(),
+            });
+        }
+        Self::parse(&text, path)
+    }
+
+    /// Model names the config spells out (rules' `model` without glob characters): with those
+    /// the upstream lists, the only values a `model` label may take.
+    pub fn named_models(&self) -> Vec<String> {
+        self.classify
+            .rule
+            .iter()
+            .filter_map(|rule| rule.model.clone())
+            .filter(|model| !model.contains(['*', '?', '[', '{']))
+            .collect()
     }
 
     /// Parses and validates TOML text; `file` only names it in errors.

@@ -12,6 +12,8 @@ pub const MAX_CONCURRENCY: u64 = 65_536;
 pub const MAX_QUEUE: u64 = 1_000_000;
 /// A request body over this is not a generation request.
 pub const MAX_BODY_BYTES: u64 = 1 << 30;
+/// More client connections than this is more than a host's descriptors.
+pub const MAX_CONNECTIONS: u64 = 1_000_000;
 
 /// An offending key and why.
 type Invalid = (String, String);
@@ -64,6 +66,7 @@ impl Config {
         for range in self.ranges() {
             range.check()?;
         }
+        self.check_paths()?;
         self.check_risk()?;
         self.check_classes()?;
         self.check_rules()
@@ -86,6 +89,37 @@ impl Config {
                 MAX_BODY_BYTES,
             ),
             Range::new("server.drain_grace_ms", server.drain_grace_ms, 0, MAX_MS),
+            Range::new(
+                "server.max_connections",
+                u64::from(server.max_connections),
+                1,
+                MAX_CONNECTIONS,
+            ),
+            // A body of the largest allowed size must fit, or it could never be read.
+            Range::new(
+                "server.max_body_bytes_in_flight",
+                server.max_body_bytes_in_flight,
+                server.body_limit_bytes,
+                64 << 30,
+            ),
+            Range::new(
+                "upstream.max_passthrough",
+                u64::from(upstream.max_passthrough),
+                1,
+                MAX_CONCURRENCY,
+            ),
+            Range::new(
+                "metrics.max_connections",
+                u64::from(self.metrics.max_connections),
+                1,
+                4_096,
+            ),
+            Range::new(
+                "metrics.header_read_timeout_ms",
+                self.metrics.header_read_timeout_ms,
+                1,
+                MAX_MS,
+            ),
             Range::new(
                 "upstream.max_concurrency",
                 u64::from(upstream.max_concurrency),
@@ -120,6 +154,17 @@ impl Config {
                 1_000,
             ),
         ]
+    }
+
+    fn check_paths(&self) -> Result<(), Invalid> {
+        for (index, path) in self.server.queued_paths.iter().enumerate() {
+            let key = format!("server.queued_paths[{index}]");
+            if !path.starts_with('/') {
+                return Err((key, format!("`{path}` must start with /")));
+            }
+            crate::route::normalize(path).map_err(|err| (key, err.to_string()))?;
+        }
+        Ok(())
     }
 
     fn check_risk(&self) -> Result<(), Invalid> {

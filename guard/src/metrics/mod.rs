@@ -7,7 +7,7 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-pub use server::{StatusFn, serve};
+pub use server::{Limits, StatusFn, serve};
 
 /// Buckets for waits and latencies, from 1 ms to 5 minutes.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -59,6 +59,9 @@ pub struct Metrics {
     pub remote_refused_total: IntCounterVec,
     pub class_throttled: IntGaugeVec,
     pub at_risk: IntGaugeVec,
+    pub body_bytes_in_flight: IntGauge,
+    pub connections: IntGauge,
+    pub connections_refused_total: IntCounterVec,
     /// Recent TTFT samples per class, for the risk detector's p95.
     pub ttft_window: std::sync::Arc<TtftWindow>,
 }
@@ -217,7 +220,7 @@ impl Metrics {
             ),
             invalid_requests_total: counter_vec(
                 "guard_invalid_requests_total",
-                "Requests to queued endpoints refused before queueing: malformed_json, body_too_large, unknown_class, body_read, body_read_timeout.",
+                "Requests refused before queueing and never forwarded: bad_path, framing, body_too_large, unknown_class, body_read, body_read_timeout.",
                 &["reason"],
             ),
             model_cold_loads_total: counter_vec(
@@ -256,6 +259,21 @@ impl Metrics {
                 "1 while this signal says protected deadlines are at risk (wait, ttft, swap, memory_pressure, gpu_memory).",
                 &["reason"],
             ),
+            body_bytes_in_flight: IntGauge::new(
+                "guard_body_bytes_in_flight",
+                "Bytes of request bodies guard holds (being read or waiting), against server.max_body_bytes_in_flight.",
+            )
+            .expect("valid gauge"),
+            connections: IntGauge::new(
+                "guard_connections",
+                "Client connections open on the proxy listener.",
+            )
+            .expect("valid gauge"),
+            connections_refused_total: counter_vec(
+                "guard_connections_refused_total",
+                "Connections closed at once because their listener was full (proxy: server.max_connections, metrics: metrics.max_connections).",
+                &["listener"],
+            ),
             ttft_window: std::sync::Arc::default(),
             registry,
         };
@@ -291,6 +309,9 @@ impl Metrics {
             Box::new(self.remote_refused_total.clone()),
             Box::new(self.class_throttled.clone()),
             Box::new(self.at_risk.clone()),
+            Box::new(self.body_bytes_in_flight.clone()),
+            Box::new(self.connections.clone()),
+            Box::new(self.connections_refused_total.clone()),
         ];
         for reason in crate::throttle::risk::REASONS {
             self.at_risk.with_label_values(&[reason]).set(0);

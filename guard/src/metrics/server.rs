@@ -1,28 +1,39 @@
 //! The metrics listener: `GET /metrics` (Prometheus text) and `GET /status` (JSON).
 
-use std::{convert::Infallible, sync::Arc};
+use std::{convert::Infallible, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
 use hyper::{body::Incoming, server::conn::http1, service::service_fn};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
 use super::Metrics;
+use crate::listen::{Accepted, Acceptor, Arrival};
 
 /// Produces the `/status` document, and brings metrics read from elsewhere up to date.
 pub type StatusFn = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
 
-/// Serves until the task is dropped.
-pub async fn serve(listener: TcpListener, metrics: Metrics, status: StatusFn) {
+/// How the metrics listener is bounded: scrapers are few, and none may hold it up.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub header_read_timeout: Duration,
+}
+
+/// Serves until the task is dropped. Connections over the cap are closed at once; a scraper
+/// must send its request head within the header timeout. Whatever happens here, the proxy
+/// listener is another task and another socket.
+pub async fn serve(listener: TcpListener, metrics: Metrics, status: StatusFn, limits: Limits) {
+    let refused = metrics
+        .connections_refused_total
+        .with_label_values(&["metrics"]);
+    let mut acceptor = Acceptor::new(listener, "metrics", limits.max_connections, refused);
     loop {
-        let (stream, _) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(err) => {
-                tracing::warn!(%err, "metrics listener: accept failed");
-                continue;
-            }
+        let Arrival::Accepted(Accepted { stream, place, .. }) = acceptor.next().await else {
+            // Over the cap: closed as it is dropped.
+            continue;
         };
         let metrics = metrics.clone();
         let status = Arc::clone(&status);
@@ -32,11 +43,14 @@ pub async fn serve(listener: TcpListener, metrics: Metrics, status: StatusFn) {
                 async move { Ok::<_, Infallible>(response) }
             });
             if let Err(err) = http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_read_timeout)
                 .serve_connection(TokioIo::new(stream), service)
                 .await
             {
                 tracing::debug!(%err, "metrics connection ended with an error");
             }
+            drop(place);
         });
     }
 }

@@ -27,10 +27,16 @@ pub enum ProxyError {
     BadRequest(String),
     #[error(transparent)]
     UnknownClass(#[from] UnknownClass),
+    #[error(transparent)]
+    BadPath(#[from] crate::route::PathError),
+    #[error("too_many_connections: guard has server.max_connections clients connected")]
+    TooManyConnections,
+    #[error(
+        "passthrough_full: {limit} requests to other endpoints are already in flight (upstream.max_passthrough)"
+    )]
+    PassthroughFull { limit: u32 },
     #[error("request body is larger than the limit of {limit} bytes (server.body_limit_bytes)")]
     BodyTooLarge { limit: u64 },
-    #[error("request body is not valid JSON: {0}")]
-    MalformedJson(String),
     #[error("class {class}: {}: {}", reason.as_str(), explain(*reason))]
     Rejected {
         class: String,
@@ -113,6 +119,9 @@ fn explain(reason: RejectReason) -> &'static str {
         }
         RejectReason::DeadlineExpired => "the class's deadline passed while the request waited",
         RejectReason::ShuttingDown => "guard is shutting down",
+        RejectReason::BodyBytesFull => {
+            "guard holds as many request body bytes as server.max_body_bytes_in_flight allows"
+        }
     }
 }
 
@@ -125,11 +134,13 @@ impl ProxyError {
             Self::BodyReadTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Self::TimedOut { .. } => StatusCode::GATEWAY_TIMEOUT,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-            Self::BadRequest(_) | Self::UnknownClass(_) | Self::MalformedJson(_) => {
+            Self::BadRequest(_) | Self::UnknownClass(_) | Self::BadPath(_) => {
                 StatusCode::BAD_REQUEST
             }
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::Rejected { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Rejected { .. } | Self::TooManyConnections | Self::PassthroughFull { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::RemoteModel { .. } => StatusCode::FORBIDDEN,
             Self::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -142,7 +153,9 @@ impl ProxyError {
             Self::BadRequest(_) => "bad_request",
             Self::UnknownClass(_) => "unknown_class",
             Self::BodyTooLarge { .. } => "body_too_large",
-            Self::MalformedJson(_) => "malformed_json",
+            Self::BadPath(_) => "bad_path",
+            Self::TooManyConnections => "too_many_connections",
+            Self::PassthroughFull { .. } => "passthrough_full",
             Self::Rejected { reason, .. } => reason.as_str(),
             Self::RemoteModel { .. } => "remote_model_refused",
             Self::UpstreamUnreachable(_) => "upstream_unreachable",
@@ -181,6 +194,20 @@ impl ProxyError {
         Some(Bytes::from(text))
     }
 
+    /// The whole HTTP/1.1 response as bytes, for a connection refused before hyper serves it;
+    /// the connection closes after it.
+    pub fn raw_response(&self, shape: ErrorShape) -> Vec<u8> {
+        let status = self.status();
+        let body = self.body(shape).to_string();
+        format!(
+            "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+            status.as_str(),
+            status.canonical_reason().unwrap_or_default(),
+            body.len()
+        )
+        .into_bytes()
+    }
+
     pub fn into_response(self, shape: ErrorShape) -> Response<Body> {
         let status = self.status();
         let body = self.body(shape);
@@ -191,7 +218,12 @@ impl ProxyError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
-        if let Self::Rejected { retry_after, .. } = self {
+        let retry_after = match self {
+            Self::Rejected { retry_after, .. } => Some(retry_after),
+            Self::TooManyConnections | Self::PassthroughFull { .. } => Some(Duration::ZERO),
+            _ => None,
+        };
+        if let Some(retry_after) = retry_after {
             headers.insert(
                 header::RETRY_AFTER,
                 HeaderValue::from(retry_after_secs(retry_after)),

@@ -1,10 +1,13 @@
 //! The HTTP proxy from `server.listen` to the upstream inference server: generation endpoints
 //! go through the class queues, everything else passes straight through.
 
+pub mod budget;
 mod client_body;
 pub mod error;
 pub mod exchange;
+mod linger;
 pub mod outcome;
+mod passthrough;
 mod request;
 mod serve;
 pub mod upstream;
@@ -19,10 +22,8 @@ use std::{
     time::Duration,
 };
 
-use bytes::Bytes;
 use http::{Method, Request, Response};
-use http_body_util::BodyExt as _;
-use hyper::body::{Body as _, Incoming};
+use hyper::body::Incoming;
 
 pub use error::{ErrorShape, ProxyError};
 pub use exchange::{Connector, Dial};
@@ -33,22 +34,12 @@ use crate::{
     classify::Classifier,
     config::{Api, ClassTimeouts, Config},
     metrics::Metrics,
+    proxy::outcome::Invalid,
     queue::Scheduler,
     reap::{EbpfTracker, registry::Registry},
+    route::QueuedPaths,
     watch::Watched,
 };
-
-/// Endpoints whose requests wait in the class queues (docs/design.md §6).
-const QUEUED_PATHS: &[&str] = &[
-    "/api/generate",
-    "/api/chat",
-    "/api/embed",
-    "/api/embeddings",
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/embeddings",
-    "/completion",
-];
 
 /// The settings a SIGHUP can change.
 struct Settings {
@@ -59,6 +50,8 @@ struct Settings {
     cold_load: Duration,
     timeouts: BTreeMap<String, ClassTimeouts>,
     default_class: String,
+    queued: QueuedPaths,
+    max_passthrough: u32,
 }
 
 impl Settings {
@@ -86,6 +79,10 @@ pub struct Proxy {
     listen: SocketAddr,
     half_close_means_gone: Arc<AtomicBool>,
     remote_models: Arc<Watched>,
+    budget: Arc<budget::BodyBudget>,
+    /// Pass-through requests in flight now.
+    passing: Arc<std::sync::atomic::AtomicU32>,
+    max_connections: usize,
 }
 
 /// The shared pieces a proxy is built from.
@@ -116,7 +113,6 @@ impl Proxy {
             upstream: Upstream::new(&config.upstream)?,
             connector: Connector::new(dial),
             response_timeout: Duration::from_millis(config.upstream.response_timeout_ms),
-            metrics: parts.metrics,
             scheduler: parts.scheduler,
             connections: parts.connections,
             tracker: parts.tracker,
@@ -125,6 +121,13 @@ impl Proxy {
             listen: config.server.listen,
             half_close_means_gone: parts.half_close_means_gone,
             remote_models: parts.watched,
+            budget: budget::BodyBudget::new(
+                config.server.max_body_bytes_in_flight,
+                parts.metrics.body_bytes_in_flight.clone(),
+            ),
+            passing: Arc::default(),
+            max_connections: config.server.max_connections as usize,
+            metrics: parts.metrics,
         })
     }
 
@@ -132,6 +135,8 @@ impl Proxy {
     /// keep their place.
     pub fn reload(&self, config: &Config) {
         self.scheduler.reconfigure(config);
+        self.budget.set_cap(config.server.max_body_bytes_in_flight);
+        self.remote_models.set_named_models(config);
         *self
             .settings
             .write()
@@ -151,35 +156,73 @@ impl Proxy {
         self.half_close_means_gone.load(Ordering::Relaxed)
     }
 
-    /// Handles one request on `connection`.
+    /// Handles one request on `connection`: generation work waits in its class's queue,
+    /// everything else passes through.
     async fn handle(
         self: &Arc<Self>,
         request: Request<Incoming>,
         connection: &Arc<crate::reap::registry::Connection>,
     ) -> Response<Body> {
         let settings = self.settings();
-        if request.method() == Method::POST && QUEUED_PATHS.contains(&request.uri().path()) {
+        let shape = error_shape(request.uri().path(), settings.api);
+        if let Err(reason) = framing(request.headers()) {
+            return self.bad_request(
+                Invalid::Framing,
+                ProxyError::BadRequest(reason.to_owned()),
+                connection,
+                shape,
+            );
+        }
+        let queued = match settings.queued.contains(request.uri().path()) {
+            Ok(queued) => queued && request.method() == Method::POST,
+            Err(err) => {
+                let error = ProxyError::from(err);
+                return self.bad_request(Invalid::BadPath, error, connection, shape);
+            }
+        };
+        if queued {
             return request::handle(Arc::clone(self), settings, request, connection).await;
         }
-        let shape = error_shape(request.uri().path(), settings.api);
-        // A request without a body (GET /api/tags, /v1/models) can be sent again safely.
-        let sent = if request.body().is_end_stream() {
-            let (head, _) = request.into_parts();
-            self.upstream.send_buffered(&head, Bytes::new()).await
-        } else {
-            let request = request.map(|body| body.map_err(Into::into).boxed());
-            self.upstream.send(request).await
-        };
-        let response = match sent {
-            Ok(response) => response.map(|body| body.map_err(Into::into).boxed()),
-            Err(err) => err.into_response(shape),
-        };
+        passthrough::handle(self, &settings, request, shape).await
+    }
+
+    /// Refused before anything else: 400, and the connection closes after it (a body, if
+    /// any, unread).
+    fn bad_request(
+        &self,
+        reason: Invalid,
+        error: ProxyError,
+        connection: &crate::reap::registry::Connection,
+        shape: ErrorShape,
+    ) -> Response<Body> {
         self.metrics
-            .passthrough_requests_total
-            .with_label_values(&[response.status().as_str()])
+            .invalid_requests_total
+            .with_label_values(&[reason.as_str()])
             .inc();
+        let mut response = error.into_response(shape);
+        response.headers_mut().insert(
+            http::header::CONNECTION,
+            http::HeaderValue::from_static("close"),
+        );
+        connection.linger();
         response
     }
+}
+
+/// A request whose length two parties could read two ways (RFC 9112 §6.3): a
+/// `Content-Length` beside `Transfer-Encoding`, or several lengths. Refused, never forwarded.
+/// hyper itself answers 400 to differing lengths, and reads a request with both by its
+/// `Transfer-Encoding` alone, drops the length and closes the connection after the answer
+/// (RFC 9112 §6.1); this check is for what reaches guard regardless.
+fn framing(headers: &http::HeaderMap) -> Result<(), &'static str> {
+    let lengths = headers.get_all(http::header::CONTENT_LENGTH).iter().count();
+    if lengths > 0 && headers.contains_key(http::header::TRANSFER_ENCODING) {
+        return Err("Content-Length and Transfer-Encoding together");
+    }
+    if lengths > 1 {
+        return Err("more than one Content-Length");
+    }
+    Ok(())
 }
 
 impl From<&Config> for Settings {
@@ -196,8 +239,16 @@ impl From<&Config> for Settings {
                 .map(|(name, class)| (name.clone(), class.timeouts()))
                 .collect(),
             default_class: config.classify.default.clone(),
+            queued: QueuedPaths::new(config.server.queued_paths.iter().map(String::as_str)),
+            max_passthrough: config.upstream.max_passthrough,
         }
     }
+}
+
+/// The model and output tokens guard reads from a request body (for fuzzing).
+pub fn read_asks(body: &[u8]) -> (Option<String>, Option<u64>) {
+    let asks = request::read_asks(body);
+    (asks.0, asks.1)
 }
 
 /// The error shape for a path: each API's own paths get its shape, others the upstream's.

@@ -26,7 +26,9 @@ impl Stage {
 /// Bad input, refused before queueing and never forwarded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Invalid {
-    MalformedJson,
+    BadPath,
+    /// Two ways to read the body's length (request smuggling).
+    Framing,
     BodyTooLarge,
     UnknownClass,
     BodyRead,
@@ -35,7 +37,8 @@ pub enum Invalid {
 impl Invalid {
     pub fn as_str(self) -> &'static str {
         match self {
-            Self::MalformedJson => "malformed_json",
+            Self::BadPath => "bad_path",
+            Self::Framing => "framing",
             Self::BodyTooLarge => "body_too_large",
             Self::UnknownClass => "unknown_class",
             Self::BodyRead => "body_read",

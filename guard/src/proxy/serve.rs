@@ -14,11 +14,19 @@ use tokio::{
     sync::watch,
 };
 
-use super::Proxy;
-use crate::reap::userspace;
+use super::{ErrorShape, Proxy, ProxyError, linger::Lingering};
+use crate::{
+    config::Api,
+    listen::{Accepted, Acceptor, Arrival},
+    reap::userspace,
+};
+
+/// hyper's buffer limit for a client connection (its default is 400 KiB).
+const READ_BUFFER: usize = 32 << 10;
 
 /// Accepts connections until `shutdown` turns true, then waits for open connections to
-/// finish their current request, at most `grace`.
+/// finish their current request, at most `grace`. More than `server.max_connections` at once
+/// are answered 503 and closed.
 pub async fn serve(
     listener: TcpListener,
     proxy: Arc<Proxy>,
@@ -26,19 +34,28 @@ pub async fn serve(
     grace: Duration,
 ) {
     let graceful = GracefulShutdown::new();
+    let refused = proxy
+        .metrics
+        .connections_refused_total
+        .with_label_values(&["proxy"]);
+    let mut acceptor = Acceptor::new(listener, "proxy", proxy.max_connections, refused);
     loop {
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(err) => {
-                    // EMFILE and friends: back off briefly instead of spinning.
-                    tracing::warn!(%err, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
+        let arrival = tokio::select! {
+            arrival = acceptor.next() => arrival,
             () = stop_requested(&mut shutdown) => break,
         };
+        let Accepted {
+            stream,
+            peer,
+            place,
+        } = match arrival {
+            Arrival::Accepted(accepted) => accepted,
+            Arrival::OverCap(stream) => {
+                refuse(&stream, proxy.settings().api);
+                continue;
+            }
+        };
+        proxy.metrics.connections.inc();
         let _ = stream.set_nodelay(true);
         // Without the kernel's events, watch the socket from user space.
         let watched = match proxy.tracker {
@@ -49,15 +66,15 @@ pub async fn serve(
                 )
                 .ok(),
         };
-        tokio::spawn(serve_connection(
-            Arc::clone(&proxy),
-            stream,
-            peer,
-            watched,
-            Some(&graceful),
-        ));
+        let serving = serve_connection(Arc::clone(&proxy), stream, peer, watched, Some(&graceful));
+        let metrics = proxy.metrics.clone();
+        tokio::spawn(async move {
+            serving.await;
+            drop(place);
+            metrics.connections.dec();
+        });
     }
-    drop(listener);
+    drop(acceptor);
     if tokio::time::timeout(grace, graceful.shutdown())
         .await
         .is_err()
@@ -67,6 +84,15 @@ pub async fn serve(
             "connections still open after the grace period"
         );
     }
+}
+
+/// A connection over the cap: a 503 if the socket takes it at once, then closed.
+fn refuse(stream: &TcpStream, api: Api) {
+    let shape = match api {
+        Api::Ollama => ErrorShape::Ollama,
+        Api::Openai => ErrorShape::Openai,
+    };
+    let _ = stream.try_write(&ProxyError::TooManyConnections.raw_response(shape));
 }
 
 /// Serves one client connection until it ends or its client is known to have left; then
@@ -92,9 +118,14 @@ where
             async move { Ok::<_, Infallible>(proxy.handle(request, &connection).await) }
         })
     };
+    let io = Lingering::new(io, Arc::clone(&connection));
     let serving = http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(proxy.header_read_timeout)
+        // A connection's read and write buffers stay this small however large the body: a
+        // request head over it is refused (431), and thousands of waiting clients hold only
+        // their bodies.
+        .max_buf_size(READ_BUFFER)
         .keep_alive(true)
         // hyper, too, ends a connection whose client half-closed with a request pending,
         // unless told that clients may half-close on purpose.

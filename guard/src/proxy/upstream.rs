@@ -36,8 +36,11 @@ impl Upstream {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_millis(config.connect_timeout_ms)));
         connector.set_nodelay(true);
+        // Pass-through requests are at most `max_passthrough` at once: so are the connections
+        // kept for them.
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
+            .pool_max_idle_per_host(config.max_passthrough as usize)
             .build(connector);
         Ok(Self {
             client,
@@ -153,7 +156,8 @@ fn closed_before_answering(err: &ClientError) -> bool {
         .is_some_and(hyper::Error::is_incomplete_message)
 }
 
-/// Headers that describe one hop, not the message (RFC 9110 section 7.6.1).
+/// Removes the headers that describe one hop, not the message (RFC 9110 §7.6.1): the fixed
+/// ones, and every header the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut http::HeaderMap) {
     const HOP_BY_HOP: &[&str] = &[
         "connection",
@@ -165,6 +169,16 @@ pub fn strip_hop_by_hop(headers: &mut http::HeaderMap) {
         "trailer",
         "upgrade",
     ];
+    let named: Vec<http::HeaderName> = headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .filter_map(|name| http::HeaderName::try_from(name.trim()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
     for name in HOP_BY_HOP {
         headers.remove(*name);
     }
@@ -241,6 +255,20 @@ mod tests {
             ..UpstreamConfig::default()
         })
         .expect("upstream")
+    }
+
+    #[test]
+    fn headers_named_in_connection_are_not_forwarded() {
+        let mut headers = http::HeaderMap::new();
+        headers.insert("connection", "X-Secret, keep-alive".parse().expect("value"));
+        headers.append("connection", "x-other".parse().expect("value"));
+        headers.insert("x-secret", "1".parse().expect("value"));
+        headers.insert("x-other", "1".parse().expect("value"));
+        headers.insert("te", "trailers".parse().expect("value"));
+        headers.insert("authorization", "Bearer t".parse().expect("value"));
+        strip_hop_by_hop(&mut headers);
+        let left: Vec<_> = headers.keys().map(http::HeaderName::as_str).collect();
+        assert_eq!(left, ["authorization"]);
     }
 
     #[tokio::test]

@@ -30,14 +30,17 @@ pub enum RejectReason {
     /// While waiting: its deadline passed.
     DeadlineExpired,
     ShuttingDown,
+    /// Request bodies already fill `server.max_body_bytes_in_flight` (decided before queueing).
+    BodyBytesFull,
 }
 
 impl RejectReason {
-    pub const ALL: [Self; 4] = [
+    pub const ALL: [Self; 5] = [
         Self::QueueFull,
         Self::DeadlinePredicted,
         Self::DeadlineExpired,
         Self::ShuttingDown,
+        Self::BodyBytesFull,
     ];
 
     /// The label in metrics and the word in error messages.
@@ -47,6 +50,7 @@ impl RejectReason {
             Self::DeadlinePredicted => "deadline_predicted",
             Self::DeadlineExpired => "deadline_expired",
             Self::ShuttingDown => "shutting_down",
+            Self::BodyBytesFull => "body_bytes_full",
         }
     }
 }
@@ -315,6 +319,7 @@ impl Scheduler {
         self.publish(&state, class);
         self.dispatch(&mut state);
         state.forget_drained();
+        state.compact();
     }
 
     /// Takes a waiting request out of its queue; false if it was not there (already granted).
@@ -328,6 +333,7 @@ impl Scheduler {
         let removed = class_state.queue.len() < before;
         if removed {
             self.publish(&state, class);
+            state.compact();
         }
         removed
     }
@@ -491,6 +497,15 @@ impl State {
             remaining,
             ahead.into_iter().map(|(_, _, service)| service),
         )
+    }
+
+    /// Gives back the room a long queue left behind once it has drained.
+    fn compact(&mut self) {
+        for class in self.classes.values_mut() {
+            if class.queue.is_empty() && class.queue.capacity() > 64 {
+                class.queue.shrink_to(16);
+            }
+        }
     }
 
     /// Drops classes a reload removed once nothing of theirs waits or runs.

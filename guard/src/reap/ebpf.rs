@@ -12,9 +12,7 @@ use aya::{
     maps::{HashMap, MapData, PerCpuArray, RingBuf},
     programs::TracePoint,
 };
-use guard_common::{
-    AF_INET, AF_INET6, Owner, OwnerKey, SockEvent, counter, tracepoint_offsets as off,
-};
+use guard_common::{AF_INET, AF_INET6, Owner, OwnerKey, counter, tracepoint_offsets as off};
 use tokio::{io::unix::AsyncFd, sync::mpsc, task::JoinHandle};
 
 use super::{event::ConnEvent, mounts};
@@ -209,11 +207,8 @@ async fn read_events(mut ring: AsyncFd<RingBuf<MapData>>, sender: mpsc::Sender<C
         };
         let events = ready.get_inner_mut();
         while let Some(item) = events.next() {
-            if item.len() >= size_of::<SockEvent>() {
-                // SAFETY: the kernel wrote a SockEvent here (checked length); read_unaligned
-                // makes no alignment assumption, and SockEvent is valid for any bit pattern.
-                let raw = unsafe { item.as_ptr().cast::<SockEvent>().read_unaligned() };
-                batch.push(ConnEvent::from(&raw));
+            if let Some(event) = ConnEvent::decode(&item) {
+                batch.push(event);
             }
         }
         ready.clear_ready();

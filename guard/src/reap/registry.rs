@@ -20,6 +20,8 @@ pub struct Connection {
     cancel: CancellationToken,
     /// CLOCK_MONOTONIC of the kernel event that said the client left.
     gone_at: Mutex<Option<Duration>>,
+    /// Close by reading (and dropping) what the client still sends, for a while.
+    linger: std::sync::atomic::AtomicBool,
 }
 
 impl Connection {
@@ -32,6 +34,17 @@ impl Connection {
     /// Whether the client is known to have left or the connection has ended.
     pub fn is_gone(&self) -> bool {
         self.cancel.is_cancelled()
+    }
+
+    /// Asks that the connection, when it closes, first drain what the client is still sending
+    /// (an answer sent before the request body was read).
+    pub fn linger(&self) {
+        self.linger
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn lingers(&self) -> bool {
+        self.linger.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Ends the connection from guard's side (it ended, or guard cuts a client that stopped
@@ -77,6 +90,7 @@ impl Registry {
             accepted_at: monotonic_now(),
             cancel: CancellationToken::new(),
             gone_at: Mutex::new(None),
+            linger: std::sync::atomic::AtomicBool::new(false),
         });
         self.lock().insert(peer, Arc::clone(&connection));
         connection
@@ -90,6 +104,11 @@ impl Registry {
             .is_some_and(|current| Arc::ptr_eq(current, connection))
         {
             by_peer.remove(&connection.peer);
+        }
+        // After a flood of connections, give the table's room back.
+        if by_peer.capacity() > 256 && by_peer.len() < by_peer.capacity() / 4 {
+            let keep = by_peer.len() * 2;
+            by_peer.shrink_to(keep);
         }
     }
 

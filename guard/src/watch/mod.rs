@@ -31,6 +31,8 @@ pub struct Watched {
     pub signals: Mutex<Signals>,
     pub status: Mutex<serde_json::Map<String, serde_json::Value>>,
     pub remote_models: upstream::RemoteModels,
+    /// Model names the config spells out.
+    named_models: Mutex<std::collections::BTreeSet<String>>,
 }
 
 impl Watched {
@@ -48,6 +50,30 @@ impl Watched {
             .insert(key.to_owned(), value);
     }
 
+    /// A model's name as a metric label: the name where the upstream lists the model or the
+    /// config names it, else `other`, so made-up names cannot grow `/metrics`.
+    pub fn model_label<'a>(&self, model: &'a str) -> &'a str {
+        let named = self
+            .named_models
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(model);
+        if named || self.remote_models.known(model) {
+            model
+        } else {
+            "other"
+        }
+    }
+
+    /// The model names a (re)loaded config spells out.
+    pub fn set_named_models(&self, config: &Config) {
+        *self
+            .named_models
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            config.named_models().into_iter().collect();
+    }
+
     pub fn status(&self) -> serde_json::Value {
         serde_json::Value::Object(
             self.status
@@ -61,6 +87,7 @@ impl Watched {
 /// Starts every watcher; they run until the runtime stops.
 pub fn spawn(config: &Config, metrics: &Metrics, upstream: Upstream) -> Arc<Watched> {
     let watched = Arc::new(Watched::default());
+    watched.set_named_models(config);
     let interval = Duration::from_millis(config.watch.interval_ms);
     let mut host = host::HostWatcher::new(metrics, config);
     let mut gpu = gpu::GpuWatcher::new(metrics);
@@ -73,6 +100,7 @@ pub fn spawn(config: &Config, metrics: &Metrics, upstream: Upstream) -> Arc<Watc
             ticks.tick().await;
             // procfs and NVML reads are quick synchronous syscalls; run them off the reactor.
             let (host_back, gpu_back, readings) = tokio::task::spawn_blocking(move || {
+                crate::memory::trim();
                 let host_reading = host.sample();
                 let gpu_reading = gpu.sample();
                 (host, gpu, (host_reading, gpu_reading))

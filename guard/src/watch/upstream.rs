@@ -33,7 +33,8 @@ impl RemoteModels {
                 .unwrap_or(false)
     }
 
-    fn known(&self, model: &str) -> bool {
+    /// Whether the upstream has listed `model` (so a label may carry its name).
+    pub fn known(&self, model: &str) -> bool {
         self.0
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -139,7 +140,7 @@ impl UpstreamWatcher {
     pub async fn sample(&mut self, remote_models: &RemoteModels) -> serde_json::Value {
         match self.api {
             Api::Ollama => self.sample_ollama(remote_models).await,
-            Api::Openai => self.sample_llama().await,
+            Api::Openai => self.sample_llama(remote_models).await,
         }
     }
 
@@ -192,7 +193,20 @@ impl UpstreamWatcher {
         serde_json::json!({ "up": true, "loaded_models": loaded })
     }
 
-    async fn sample_llama(&mut self) -> serde_json::Value {
+    async fn sample_llama(&mut self, remote_models: &RemoteModels) -> serde_json::Value {
+        // The models it serves: only these may name a metric label.
+        if let Some(models) = self.json(Method::GET, "/v1/models", None).await {
+            for id in models["data"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m["id"].as_str())
+            {
+                if !remote_models.known(id) {
+                    remote_models.set(id, false);
+                }
+            }
+        }
         let Some(text) = self.text(Method::GET, "/metrics", None).await else {
             self.up.set(0);
             return serde_json::json!({ "up": false });

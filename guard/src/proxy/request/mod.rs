@@ -6,6 +6,7 @@
 //! the upstream exchange and the way back to the client; `conclude` is the only place that
 //! ends the exchange, returns the permit and records the outcome, in that order.
 
+mod asks;
 mod phases;
 mod relay;
 
@@ -24,9 +25,17 @@ use super::{
 };
 use crate::{
     config::ClassTimeouts,
+    proxy::budget::Held,
     queue::Permit,
     reap::{event::monotonic_now, registry::Connection},
 };
+
+/// What guard reads from a body: its model and the output tokens it asks for.
+pub(super) fn read_asks(body: &[u8]) -> (Option<String>, Option<u64>) {
+    let asks = asks::Asks::read(body);
+    let tokens = asks.tokens();
+    (asks.model, tokens)
+}
 
 /// Serves one request to a queued endpoint: its owner runs on a task of its own.
 pub(super) async fn handle(
@@ -109,6 +118,10 @@ pub(super) struct QueuedRequest {
     stage: Stage,
     /// Held from dispatch until the upstream exchange is over.
     permit: Option<Permit>,
+    /// The body's share of `server.max_body_bytes_in_flight`, until the body has gone upstream.
+    held: Option<Held>,
+    /// The whole body has been read (else the connection cannot carry another request).
+    body_read: bool,
     exchange: Option<Exchange>,
     /// Until the response head has gone to hyper.
     respond: Option<oneshot::Sender<Response<Body>>>,
@@ -143,6 +156,8 @@ impl QueuedRequest {
             timeouts,
             stage: Stage::Arrival,
             permit: None,
+            held: None,
+            body_read: false,
             exchange: None,
             respond: Some(respond),
             relay: None,
@@ -209,15 +224,26 @@ impl QueuedRequest {
         if let Some(relay) = self.relay.take() {
             relay.finish(outcome, answer.as_ref());
         } else if let Some(respond) = self.respond.take() {
-            let error = answer.unwrap_or(ProxyError::Internal);
+            let mut response = self.answer(answer.unwrap_or(ProxyError::Internal));
+            if !self.body_read {
+                // The rest of the body is still coming: the connection closes after this
+                // answer, reading (and dropping) what the client sends meanwhile, so that the
+                // client sees the answer rather than a reset.
+                response.headers_mut().insert(
+                    http::header::CONNECTION,
+                    http::HeaderValue::from_static("close"),
+                );
+                self.connection.linger();
+            }
             // Nobody may be listening any more (the client left): that is fine.
-            let _ = respond.send(self.answer(error));
+            let _ = respond.send(response);
         }
     }
 
     /// Ends the upstream exchange (its socket closes now), then returns the permit: only an
     /// exchange that is over frees its slot. A completed one teaches the estimator.
     fn free_upstream(&mut self, completed: bool) {
+        self.held = None;
         self.exchange = None;
         if let Some(permit) = self.permit.take() {
             if completed {

@@ -4,83 +4,76 @@
 
 use std::sync::OnceLock;
 
-use bytes::Bytes;
-use http::{Request, request};
-use http_body_util::{BodyExt as _, LengthLimitError, Limited};
-use hyper::body::Incoming;
-use serde::{Deserialize, Deserializer};
-
-use super::{Ending, QueuedRequest};
+use super::{Ending, QueuedRequest, asks::Asks};
 use crate::{
     classify::RequestFacts,
     proxy::{
+        budget::Held,
         error::ProxyError,
         exchange::Exchange,
         outcome::{FailKind, Invalid, Outcome, Stage, Timeout},
     },
-    queue::{Job, Ticket},
+    queue::{Job, RejectReason, Ticket},
+    quote::quote,
     reap::owner::client_cgroup,
 };
+use bytes::Bytes;
+use http::{Request, request};
+use http_body_util::BodyExt as _;
+use hyper::body::Incoming;
 
 type Phase<T> = Result<T, Ending>;
 
-/// The fields guard reads from a request body; any of them may be missing or of another type
-/// (the upstream judges the body, not guard).
-#[derive(Debug, Default, Deserialize)]
-struct Asks {
-    #[serde(default, deserialize_with = "lenient")]
-    model: Option<String>,
-    /// OpenAI.
-    #[serde(default, deserialize_with = "lenient")]
-    max_tokens: Option<u64>,
-    #[serde(default, deserialize_with = "lenient")]
-    max_completion_tokens: Option<u64>,
-    /// OpenAI responses API.
-    #[serde(default, deserialize_with = "lenient")]
-    max_output_tokens: Option<u64>,
-    /// llama.cpp (-1 means no limit, which reads as none).
-    #[serde(default, deserialize_with = "lenient")]
-    n_predict: Option<u64>,
-    /// Ollama.
-    #[serde(default, deserialize_with = "lenient")]
-    options: Option<OllamaOptions>,
+/// Why a body could not be read whole.
+enum BodyError {
+    TooLarge,
+    BudgetFull,
+    Read(hyper::Error),
 }
 
-#[derive(Debug, Default, Deserialize)]
-struct OllamaOptions {
-    #[serde(default, deserialize_with = "lenient")]
-    num_predict: Option<u64>,
-}
-
-/// A field of an unexpected type reads as absent.
-fn lenient<'de, D: Deserializer<'de>, T: serde::de::DeserializeOwned>(
-    deserializer: D,
-) -> Result<Option<T>, D::Error> {
-    let value = serde_json::Value::deserialize(deserializer)?;
-    Ok(serde_json::from_value(value).ok())
-}
-
-impl Asks {
-    /// The output tokens the request asks for, where it says.
-    fn tokens(&self) -> Option<u64> {
-        self.max_tokens
-            .or(self.max_completion_tokens)
-            .or(self.max_output_tokens)
-            .or(self.n_predict)
-            .or(self.options.as_ref().and_then(|o| o.num_predict))
+/// The body's bytes, in one buffer of its declared length where it has one; every byte past
+/// the declared length (a chunked body) is held against the budget as it comes.
+async fn collect(
+    mut body: Incoming,
+    limit: u64,
+    declared: Option<u64>,
+    held: &mut Held,
+) -> Result<Vec<u8>, BodyError> {
+    let capacity = declared.and_then(|d| usize::try_from(d).ok()).unwrap_or(0);
+    let mut bytes = Vec::with_capacity(capacity);
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame.map_err(BodyError::Read)?.into_data() else {
+            continue;
+        };
+        if (bytes.len() + data.len()) as u64 > limit {
+            return Err(BodyError::TooLarge);
+        }
+        if bytes.len() + data.len() > capacity && !held.grow(data.len() as u64) {
+            return Err(BodyError::BudgetFull);
+        }
+        bytes.extend_from_slice(&data);
     }
+    Ok(bytes)
+}
+
+fn too_large(limit: u64) -> Ending {
+    Ending::new(
+        Outcome::Invalid(Invalid::BodyTooLarge),
+        ProxyError::BodyTooLarge { limit },
+    )
 }
 
 impl QueuedRequest {
     pub(super) async fn phases(&mut self, request: Request<Incoming>) -> Phase<Ending> {
         let (head, body) = request.into_parts();
         let cgroup = OnceLock::new();
-        // The body-read limit is the class's the head alone points to: rules on the model
-        // cannot be read before the body.
-        if let Ok(decision) = self.decide(&head, None, &cgroup) {
-            self.timeouts = self.settings.timeouts(&decision);
+        // Until the body is read, the class is the one the head alone points to (rules on the
+        // model need the body): its body-read limit applies.
+        if let Ok(class) = self.decide(&head, None, &cgroup) {
+            self.timeouts = self.settings.timeouts(&class);
+            self.class = Some(class);
         }
-        let bytes = Box::pin(self.read_body(body)).await?;
+        let bytes = Box::pin(self.read_body(&head, body)).await?;
         let asks = self.inspect(&bytes)?;
         let class = self
             .decide(&head, asks.model.as_deref(), &cgroup)
@@ -100,16 +93,34 @@ impl QueuedRequest {
         Ok(Box::pin(self.relay(exchange, response)).await)
     }
 
-    async fn read_body(&mut self, body: Incoming) -> Phase<Bytes> {
+    /// Reads the whole body within the class's time, `server.body_limit_bytes` and the body
+    /// budget. A declared length over the limit is refused before any of the body is asked
+    /// for (so `Expect: 100-continue` gets the 413, never `100 Continue`).
+    async fn read_body(&mut self, head: &request::Parts, body: Incoming) -> Phase<Bytes> {
         let limit = self.settings.body_limit;
-        let reading = Limited::new(body, usize::try_from(limit).unwrap_or(usize::MAX)).collect();
-        match tokio::time::timeout(self.timeouts.body_read, reading).await {
-            Ok(Ok(collected)) => Ok(collected.to_bytes()),
-            Ok(Err(err)) if err.is::<LengthLimitError>() => Err(Ending::new(
-                Outcome::Invalid(Invalid::BodyTooLarge),
-                ProxyError::BodyTooLarge { limit },
-            )),
-            Ok(Err(err)) => Err(Ending::new(
+        let declared = head
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if declared.is_some_and(|length| length > limit) {
+            return Err(too_large(limit));
+        }
+        let mut held = self
+            .proxy
+            .budget
+            .reserve(declared.unwrap_or(0))
+            .ok_or_else(|| self.body_bytes_full())?;
+        let reading = collect(body, limit, declared, &mut held);
+        let read = tokio::time::timeout(self.timeouts.body_read, reading).await;
+        self.held = Some(held);
+        match read {
+            Ok(Ok(bytes)) => {
+                self.body_read = true;
+                Ok(Bytes::from(bytes))
+            }
+            Ok(Err(BodyError::TooLarge)) => Err(too_large(limit)),
+            Ok(Err(BodyError::BudgetFull)) => Err(self.body_bytes_full()),
+            Ok(Err(BodyError::Read(err))) => Err(Ending::new(
                 Outcome::Invalid(Invalid::BodyRead),
                 ProxyError::BadRequest(format!("reading the request body: {err}")),
             )),
@@ -125,25 +136,34 @@ impl QueuedRequest {
         }
     }
 
+    fn body_bytes_full(&self) -> Ending {
+        let reason = RejectReason::BodyBytesFull;
+        Ending::new(
+            Outcome::Rejected {
+                reason,
+                stage: Stage::Arrival,
+            },
+            ProxyError::Rejected {
+                class: self.class.clone().unwrap_or_default(),
+                reason,
+                retry_after: std::time::Duration::from_secs(1),
+            },
+        )
+    }
+
     /// Reads what guard needs from the body, and refuses a remote model where configured.
     fn inspect(&self, bytes: &[u8]) -> Phase<Asks> {
-        let json: serde_json::Value = serde_json::from_slice(bytes).map_err(|err| {
-            Ending::new(
-                Outcome::Invalid(Invalid::MalformedJson),
-                ProxyError::MalformedJson(err.to_string()),
-            )
-        })?;
-        let asks = Asks::deserialize(&json).unwrap_or_default();
+        let asks = Asks::read(bytes);
         if let Some(model) = &asks.model
             && self.settings.refuse_remote_models
             && self.proxy.remote_models.remote_models.is_remote(model)
         {
             return Err(Ending::new(
                 Outcome::Refused {
-                    model: model.clone(),
+                    model: self.proxy.remote_models.model_label(model).to_owned(),
                 },
                 ProxyError::RemoteModel {
-                    model: model.clone(),
+                    model: quote(model),
                 },
             ));
         }
@@ -268,7 +288,11 @@ impl QueuedRequest {
             started = starting => started,
         };
         match started {
-            Ok(Ok(started)) => Ok(started),
+            Ok(Ok(started)) => {
+                // The body has gone to the upstream: its bytes are no longer guard's to hold.
+                self.held = None;
+                Ok(started)
+            }
             Ok(Err(err)) => {
                 let cause = crate::proxy::upstream::error_chain(&err);
                 tracing::warn!(class = ?self.class, error = %cause, "upstream request failed");
@@ -282,33 +306,5 @@ impl QueuedRequest {
                 ProxyError::UpstreamTimeout(response_timeout),
             )),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn asks(json: &str) -> Asks {
-        let value: serde_json::Value = serde_json::from_str(json).expect("json");
-        Asks::deserialize(&value).unwrap_or_default()
-    }
-
-    #[test]
-    fn the_tokens_asked_for_are_read_from_each_api() {
-        assert_eq!(asks(r#"{"max_tokens": 8}"#).tokens(), Some(8));
-        assert_eq!(asks(r#"{"n_predict": 300}"#).tokens(), Some(300));
-        assert_eq!(asks(r#"{"options": {"num_predict": 5}}"#).tokens(), Some(5));
-        assert_eq!(asks(r#"{"max_completion_tokens": 9}"#).tokens(), Some(9));
-        assert_eq!(asks(r#"{"n_predict": -1}"#).tokens(), None);
-        assert_eq!(asks(r#"{"prompt": "x"}"#).tokens(), None);
-    }
-
-    #[test]
-    fn fields_of_another_type_read_as_absent() {
-        let read = asks(r#"{"model": 5, "max_tokens": "many", "options": 3}"#);
-        assert_eq!((read.tokens(), read.model), (None, None));
-        assert_eq!(asks("[1, 2]").model, None);
-        assert_eq!(asks(r#"{"model": "m"}"#).model.as_deref(), Some("m"));
     }
 }

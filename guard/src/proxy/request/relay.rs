@@ -208,7 +208,10 @@ impl QueuedRequest {
         let Some(load) = coldload::load_duration(tail) else {
             return;
         };
-        let model = self.model.as_deref().unwrap_or("unknown");
+        let model = self
+            .proxy
+            .remote_models
+            .model_label(self.model.as_deref().unwrap_or_default());
         let metrics = &self.proxy.metrics;
         metrics
             .model_last_load_seconds

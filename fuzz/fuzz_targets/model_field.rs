@@ -1,0 +1,4 @@
+//! libFuzzer target: guard::fuzz::model_field.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| guard::fuzz::model_field(data));
