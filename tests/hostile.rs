@@ -119,6 +119,13 @@ async fn bodies_over_the_limit_are_refused_before_they_are_read() {
     .await;
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
     assert!(!answer.contains("100 Continue"), "{answer}");
+    // A request head over guard's 32 KiB buffer: 431.
+    let huge_head = format!(
+        "GET /api/tags HTTP/1.1\r\nhost: x\r\nx-filler: {}\r\n\r\n",
+        "y".repeat(40 << 10)
+    );
+    let answer = raw(guard.listen, huge_head.as_bytes()).await;
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
     // Two lengths: 400. A length beside chunked encoding is read by the encoding alone and the
     // connection closes after its answer (RFC 9112 §6.1): a request smuggled in its body is
     // never served.

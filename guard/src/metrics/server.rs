@@ -45,6 +45,8 @@ pub async fn serve(listener: TcpListener, metrics: Metrics, status: StatusFn, li
             if let Err(err) = http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_read_timeout)
+                .max_buf_size(16 << 10)
+                .max_header_size(8 << 10)
                 .serve_connection(TokioIo::new(stream), service)
                 .await
             {

@@ -126,6 +126,7 @@ where
         // request head over it is refused (431), and thousands of waiting clients hold only
         // their bodies.
         .max_buf_size(READ_BUFFER)
+        .max_header_size(READ_BUFFER)
         .keep_alive(true)
         // hyper, too, ends a connection whose client half-closed with a request pending,
         // unless told that clients may half-close on purpose.
