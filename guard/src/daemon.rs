@@ -19,10 +19,12 @@ use tokio::{
 use crate::{
     config::Config,
     metrics::{self, Metrics},
-    proxy::{self, Proxy, ProxyError, Upstream},
+    proxy::{self, Proxy, ProxyError},
     queue::Scheduler,
     reap::{ConnEvent, EbpfError, EbpfTracker, reaper, registry::Registry},
-    throttle::{ThrottleSetupError, Throttler, risk},
+    status::{EbpfStatus, RiskStatus, Status, UpstreamStatus},
+    throttle::{ThrottleSetupError, Throttler, risk, ttft::TtftWindow},
+    upstream,
     watch::{self as watchers, Watched},
 };
 
@@ -59,9 +61,6 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
     raise_open_file_limit();
     crate::memory::return_large_blocks_to_the_system();
     let metrics = Metrics::new();
-    for class in config.class.keys() {
-        metrics.init_class(class);
-    }
 
     // Before anything serves: checks each class cgroup and restores what a crash left.
     let throttler = Arc::new(Mutex::new(Throttler::new(&config, &metrics)?));
@@ -87,7 +86,8 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
     }
 
     let scheduler = Scheduler::new(&config, metrics.clone());
-    let watched = watchers::spawn(&config, &metrics, Upstream::new(&config.upstream)?);
+    let ttft = Arc::new(TtftWindow::default());
+    let watched = watchers::spawn(&config, &metrics, upstream::Client::new(&config.upstream));
     let proxy = Arc::new(Proxy::new(
         &config,
         proxy::Parts {
@@ -97,17 +97,23 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
             tracker,
             half_close_means_gone: Arc::clone(&half_close),
             watched: Arc::clone(&watched),
+            ttft: Arc::clone(&ttft),
         },
     )?);
-    let status = status_fn(
-        &config,
-        config_path.clone(),
-        &metrics,
-        Arc::clone(&ebpf),
-        Arc::clone(&scheduler),
-        Arc::clone(&watched),
+    let risk_view = Arc::new(risk::RiskView::default());
+    let sources = StatusSources {
+        config: config.clone(),
+        config_path: config_path.clone(),
+        metrics: metrics.clone(),
+        ebpf: Arc::clone(&ebpf),
+        scheduler: Arc::clone(&scheduler),
+        watched: Arc::clone(&watched),
+        risk: Arc::clone(&risk_view),
+        throttler: Arc::clone(&throttler),
         started,
-    );
+    };
+    let status: metrics::StatusFn =
+        Arc::new(move || serde_json::to_string(&sources.status()).unwrap_or_default());
     let limits = metrics::Limits {
         max_connections: config.metrics.max_connections as usize,
         header_read_timeout: Duration::from_millis(config.metrics.header_read_timeout_ms),
@@ -121,10 +127,14 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
     let (configs, configs_seen) = watch::channel(config.clone());
     let risk_task = tokio::spawn(risk::run(
         configs_seen,
-        Arc::clone(&scheduler),
-        Arc::clone(&watched),
-        metrics.clone(),
-        Arc::clone(&throttler),
+        risk::Detector {
+            scheduler: Arc::clone(&scheduler),
+            watched: Arc::clone(&watched),
+            metrics: metrics.clone(),
+            throttler: Arc::clone(&throttler),
+            ttft: Arc::clone(&ttft),
+            view: risk_view,
+        },
     ));
     let (stop, stopped) = watch::channel(false);
     let grace = Duration::from_millis(config.server.drain_grace_ms);
@@ -294,50 +304,57 @@ fn reload(
     }
 }
 
-fn status_fn(
-    config: &Config,
+/// Where `/status` reads each part from its owner.
+struct StatusSources {
+    config: Config,
     config_path: Option<PathBuf>,
-    metrics: &Metrics,
+    metrics: Metrics,
     ebpf: Arc<Mutex<EbpfState>>,
     scheduler: Arc<Scheduler>,
     watched: Arc<Watched>,
+    risk: Arc<risk::RiskView>,
+    throttler: Arc<Mutex<Throttler>>,
     started: Instant,
-) -> metrics::StatusFn {
-    let config = config.clone();
-    let metrics = metrics.clone();
-    Arc::new(move || {
-        let ebpf = ebpf
+}
+
+impl StatusSources {
+    fn status(&self) -> Status {
+        let ebpf = self
+            .ebpf
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(tracker) = &ebpf.tracker {
-            Metrics::mirror(&metrics.ebpf_events_total, tracker.events_sent());
-            Metrics::mirror(&metrics.ebpf_ring_drops_total, tracker.ring_drops());
+            // The kernel's counters, brought up to date for /metrics too.
+            Metrics::mirror(&self.metrics.ebpf_events_total, tracker.events_sent());
+            Metrics::mirror(&self.metrics.ebpf_ring_drops_total, tracker.ring_drops());
         }
-        serde_json::json!({
-            "version": env!("CARGO_PKG_VERSION"),
-            "uptime_seconds": started.elapsed().as_secs(),
-            "config": config_path.as_ref().map(|p| p.display().to_string()),
-            "listen": config.server.listen.to_string(),
-            "upstream": { "url": config.upstream.url, "api": config.upstream.api, "max_concurrency": config.upstream.max_concurrency },
-            "ebpf": {
-                "attached": ebpf.tracker.is_some(),
-                "unavailable_reason": ebpf.unavailable,
-                "events_total": metrics.ebpf_events_total.get(),
-                "ring_drops_total": metrics.ebpf_ring_drops_total.get(),
+        let config = &self.config;
+        Status {
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            uptime_seconds: self.started.elapsed().as_secs(),
+            config: self.config_path.as_ref().map(|p| p.display().to_string()),
+            listen: config.server.listen.to_string(),
+            upstream: UpstreamStatus {
+                url: config.upstream.url.to_string(),
+                api: config.upstream.api,
+                max_concurrency: config.upstream.max_concurrency,
             },
-            "classes": scheduler.snapshot(),
-            "risk": {
-                "signals": risk::REASONS
-                    .iter()
-                    .filter(|r| metrics.at_risk.with_label_values(&[r]).get() == 1)
-                    .collect::<Vec<_>>(),
-                "throttled_classes": config
-                    .class
-                    .keys()
-                    .filter(|c| metrics.class_throttled.with_label_values(&[c.as_str()]).get() == 1)
-                    .collect::<Vec<_>>(),
+            ebpf: EbpfStatus {
+                attached: ebpf.tracker.is_some(),
+                unavailable_reason: ebpf.unavailable.clone(),
+                events_total: self.metrics.ebpf_events_total.get(),
+                ring_drops_total: self.metrics.ebpf_ring_drops_total.get(),
             },
-            "watch": watched.status(),
-        })
-    })
+            classes: self.scheduler.snapshot(),
+            risk: RiskStatus {
+                signals: self.risk.signals(),
+                throttled_classes: self
+                    .throttler
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .throttled(),
+            },
+            watch: self.watched.status(),
+        }
+    }
 }

@@ -112,7 +112,7 @@ fn nvml() -> Result<String, String> {
 }
 
 fn upstream(config: &Config) -> Result<String, String> {
-    let authority = crate::config::upstream_authority(&config.upstream.url)?;
+    let authority = config.upstream.url.authority();
     let addr = std::net::ToSocketAddrs::to_socket_addrs(authority.as_str())
         .map_err(|e| format!("{authority}: {e}"))?
         .next()

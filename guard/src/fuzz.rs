@@ -7,10 +7,11 @@ use std::sync::LazyLock;
 use crate::{
     config::{Api, Config},
     jsonscan,
-    proxy::{error_shape, upstream::strip_hop_by_hop},
+    proxy::error_shape,
     quote::quote,
     reap::event::ConnEvent,
     route::{DEFAULT_QUEUED, QueuedPaths},
+    upstream::strip_hop_by_hop,
 };
 
 static QUEUED: LazyLock<QueuedPaths> =

@@ -1,8 +1,51 @@
-//! `guard status`: asks a running guard's /status and prints it as a table.
+//! The status document: one struct, built by the daemon from each part's owner (the scheduler,
+//! the risk detector, the throttler, the eBPF state, the watchers), served as `/status`, and
+//! read back by `guard status`, which prints it as a table.
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Empty};
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{config::Api, queue::ClassSnapshot, throttle::risk::Signal};
+
+/// What `/status` says.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Status {
+    pub version: String,
+    pub uptime_seconds: u64,
+    /// The config file, or none for the built-in defaults.
+    pub config: Option<String>,
+    pub listen: String,
+    pub upstream: UpstreamStatus,
+    pub ebpf: EbpfStatus,
+    pub classes: Vec<ClassSnapshot>,
+    pub risk: RiskStatus,
+    /// What the watchers last read (host, GPUs, the upstream's own state).
+    pub watch: serde_json::Value,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct UpstreamStatus {
+    pub url: String,
+    pub api: Api,
+    pub max_concurrency: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EbpfStatus {
+    pub attached: bool,
+    pub unavailable_reason: Option<String>,
+    pub events_total: u64,
+    pub ring_drops_total: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RiskStatus {
+    pub signals: Vec<Signal>,
+    pub throttled_classes: Vec<String>,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum StatusError {
@@ -40,72 +83,56 @@ pub async fn show(base: &str) -> Result<String, StatusError> {
         .await
         .map_err(|err| unreachable(err.to_string()))?
         .to_bytes();
-    let status: serde_json::Value =
-        serde_json::from_slice(&body).map_err(|err| StatusError::NotStatus {
-            url: url.clone(),
-            reason: err.to_string(),
-        })?;
+    let status: Status = serde_json::from_slice(&body).map_err(|err| StatusError::NotStatus {
+        url: url.clone(),
+        reason: err.to_string(),
+    })?;
     Ok(render(&status))
 }
 
 /// The status document as a readable table.
-pub fn render(status: &serde_json::Value) -> String {
-    let text = |v: &serde_json::Value| match v {
-        serde_json::Value::String(s) => s.clone(),
-        serde_json::Value::Null => "-".to_owned(),
-        other => other.to_string(),
-    };
+pub fn render(status: &Status) -> String {
     let mut out = String::new();
-    let line = |out: &mut String, key: &str, value: String| {
-        out.push_str(&format!("{key:<18} {value}\n"));
-    };
-    line(&mut out, "version", text(&status["version"]));
+    let mut line = |key: &str, value: String| out.push_str(&format!("{key:<18} {value}\n"));
+    line("version", status.version.clone());
+    line("uptime", format!("{} s", status.uptime_seconds));
+    line("listen", status.listen.clone());
+    line("upstream", status.upstream.url.clone());
+    let ebpf = &status.ebpf;
     line(
-        &mut out,
-        "uptime",
-        format!("{} s", text(&status["uptime_seconds"])),
+        "ebpf",
+        match &ebpf.unavailable_reason {
+            None if ebpf.attached => format!(
+                "attached ({} events, {} dropped)",
+                ebpf.events_total, ebpf.ring_drops_total
+            ),
+            reason => format!("off: {}", reason.as_deref().unwrap_or("-")),
+        },
     );
-    line(&mut out, "listen", text(&status["listen"]));
-    line(&mut out, "upstream", text(&status["upstream"]["url"]));
-    let ebpf = &status["ebpf"];
-    let ebpf_state = if ebpf["attached"] == serde_json::Value::Bool(true) {
-        format!(
-            "attached ({} events, {} dropped)",
-            text(&ebpf["events_total"]),
-            text(&ebpf["ring_drops_total"])
-        )
-    } else {
-        format!("off: {}", text(&ebpf["unavailable_reason"]))
+    let list = |items: Vec<String>| match items.is_empty() {
+        true => "none".to_owned(),
+        false => items.join(", "),
     };
-    line(&mut out, "ebpf", ebpf_state);
-    let list = |v: &serde_json::Value| {
-        let items: Vec<String> = v.as_array().into_iter().flatten().map(text).collect();
-        if items.is_empty() {
-            "none".to_owned()
-        } else {
-            items.join(", ")
-        }
-    };
-    line(&mut out, "at risk", list(&status["risk"]["signals"]));
-    line(
-        &mut out,
-        "throttled",
-        list(&status["risk"]["throttled_classes"]),
-    );
+    let signals = status.risk.signals.iter().map(|s| s.as_str().to_owned());
+    line("at risk", list(signals.collect()));
+    line("throttled", list(status.risk.throttled_classes.clone()));
     out.push_str(&format!(
         "\n{:<14} {:>8} {:>9} {:>11} {:>7} {:>8} {:>9}\n",
         "class", "priority", "max_queue", "deadline_ms", "queued", "running", "wait_ms"
     ));
-    for class in status["classes"].as_array().into_iter().flatten() {
+    for class in &status.classes {
+        let deadline = class
+            .deadline_ms
+            .map_or_else(|| "-".to_owned(), |d| d.to_string());
         out.push_str(&format!(
             "{:<14} {:>8} {:>9} {:>11} {:>7} {:>8} {:>9}\n",
-            text(&class["name"]),
-            text(&class["priority"]),
-            text(&class["max_queue"]),
-            text(&class["deadline_ms"]),
-            text(&class["queued"]),
-            text(&class["running"]),
-            text(&class["predicted_wait_ms"]),
+            class.name,
+            class.priority,
+            class.max_queue,
+            deadline,
+            class.queued,
+            class.running,
+            class.predicted_wait_ms,
         ));
     }
     out

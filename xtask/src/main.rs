@@ -7,6 +7,7 @@ mod fuzz;
 mod gpu;
 mod install;
 mod llama;
+mod modules;
 mod setup;
 mod tasks;
 
@@ -40,6 +41,8 @@ enum Task {
     },
     /// Start the release guard briefly and print what its NVML (GPU) path reads.
     GpuCheck,
+    /// Print the graph of guard's top-level modules; fail on an import cycle.
+    Modules,
     /// Benchmarks that print ratios measured side by side in one run.
     Bench {
         #[arg(value_enum)]
@@ -58,5 +61,6 @@ fn main() -> Result<()> {
         Task::Bench { which } => tasks::bench(which),
         Task::Install { root } => install::install(root.as_deref()),
         Task::GpuCheck => tasks::gpu_check(),
+        Task::Modules => modules::check(),
     }
 }

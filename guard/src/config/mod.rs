@@ -58,7 +58,7 @@ pub struct ServerConfig {
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct UpstreamConfig {
-    pub url: String,
+    pub url: UpstreamUrl,
     pub api: Api,
     pub max_concurrency: u32,
     pub connect_timeout_ms: u64,
@@ -312,7 +312,8 @@ impl Default for ServerConfig {
 impl Default for UpstreamConfig {
     fn default() -> Self {
         Self {
-            url: "http://127.0.0.1:11435".to_owned(),
+            url: UpstreamUrl::parse("http://127.0.0.1:11435")
+                .unwrap_or_else(|_| unreachable!("the default upstream URL is well formed")),
             api: Api::Ollama,
             max_concurrency: 1,
             connect_timeout_ms: 2_000,
@@ -476,25 +477,72 @@ pub fn parse_cidr(text: &str) -> Result<ipnet::IpNet, String> {
         .map_err(|_| format!("`{text}` is not an address or CIDR block"))
 }
 
-/// The `host:port` of an `http://host:port` URL.
-pub fn upstream_authority(url: &str) -> Result<http::uri::Authority, String> {
-    let uri: http::Uri = url
-        .parse()
-        .map_err(|err| format!("`{url}` is not a URL: {err}"))?;
-    if uri.scheme_str() != Some("http") {
-        return Err(format!("`{url}`: only http:// upstreams are supported"));
+/// The upstream's address: an `http://host:port` URL, parsed once, when the config is read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UpstreamUrl {
+    text: String,
+    authority: http::uri::Authority,
+}
+
+impl UpstreamUrl {
+    pub fn parse(url: &str) -> Result<Self, String> {
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|err| format!("`{url}` is not a URL: {err}"))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(format!("`{url}`: only http:// upstreams are supported"));
+        }
+        if uri.path() != "/" && !uri.path().is_empty() {
+            return Err(format!("`{url}`: give scheme, host and port only, no path"));
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or(format!("`{url}` has no host"))?;
+        if authority.port_u16().is_none() {
+            return Err(format!("`{url}` has no port"));
+        }
+        Ok(Self {
+            text: url.to_owned(),
+            authority,
+        })
     }
-    if uri.path() != "/" && !uri.path().is_empty() {
-        return Err(format!("`{url}`: give scheme, host and port only, no path"));
+
+    /// `host:port`.
+    pub fn authority(&self) -> &http::uri::Authority {
+        &self.authority
     }
-    let authority = uri
-        .authority()
-        .cloned()
-        .ok_or(format!("`{url}` has no host"))?;
-    if authority.port_u16().is_none() {
-        return Err(format!("`{url}` has no port"));
+
+    pub fn port(&self) -> u16 {
+        self.authority.port_u16().unwrap_or(80)
     }
-    Ok(authority)
+}
+
+impl std::fmt::Display for UpstreamUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl std::str::FromStr for UpstreamUrl {
+    type Err = String;
+
+    fn from_str(url: &str) -> Result<Self, String> {
+        Self::parse(url)
+    }
+}
+
+impl Serialize for UpstreamUrl {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.text)
+    }
+}
+
+impl<'de> Deserialize<'de> for UpstreamUrl {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        Self::parse(&text).map_err(serde::de::Error::custom)
+    }
 }
 
 #[cfg(test)]

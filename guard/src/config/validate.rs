@@ -1,7 +1,7 @@
 //! What the types alone cannot check: every limit and duration within a range that means what
 //! `deploy/guard.example.toml` says, names that exist, patterns that compile.
 
-use super::{Config, RuleConfig, parse_cidr, upstream_authority};
+use super::{Config, RuleConfig, parse_cidr};
 
 /// The longest duration any `_ms` key may name: a week. Longer is surely a typo, and keeps
 /// every deadline guard computes far from overflow.
@@ -54,9 +54,6 @@ impl Config {
     /// Checks what the types alone cannot; returns the offending key and why.
     pub(super) fn validate(&self) -> Result<(), Invalid> {
         let fail = |key: &str, message: String| Err((key.to_owned(), message));
-        if let Err(message) = upstream_authority(&self.upstream.url) {
-            return fail("upstream.url", message);
-        }
         if self.server.listen == self.metrics.listen {
             return fail(
                 "metrics.listen",

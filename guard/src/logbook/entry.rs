@@ -32,12 +32,7 @@ impl Spread {
 
 /// The value at quantile `q` of `samples` (0 for none).
 pub fn quantile(samples: &[f64], q: f64) -> f64 {
-    if samples.is_empty() {
-        return 0.0;
-    }
-    let mut sorted = samples.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+    crate::quantile::quantile(samples, q).unwrap_or(0.0)
 }
 
 /// A measurement that may be absent on this machine: a number or "unavailable".

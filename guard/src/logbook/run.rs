@@ -19,7 +19,13 @@ use super::{
     LogbookError,
     entry::{Entry, InputSet, Maybe, Spread},
 };
-use crate::config::Api;
+use crate::{
+    config::Api,
+    upstream::{
+        api::{self, llama, ollama, openai},
+        frames::{Lines, StreamFormat},
+    },
+};
 
 /// What `guard bench` was asked to do.
 #[derive(Clone, Debug)]
@@ -183,25 +189,33 @@ async fn stream_once(
         ..Sample::default()
     };
     let mut first = None;
-    let mut pending = String::new();
+    let mut lines = Lines::default();
+    let format = match plan.api {
+        Api::Openai => StreamFormat::Sse,
+        Api::Ollama => StreamFormat::Ndjson,
+    };
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| LogbookError::Run(format!("{path}: {e}")))?;
         let Ok(data) = frame.into_data() else {
             continue;
         };
-        pending.push_str(&String::from_utf8_lossy(&data));
-        while let Some(end) = pending.find('\n') {
-            let line: String = pending.drain(..=end).collect();
-            let piece = token_text(plan.api, line.trim(), &mut sample.tokens);
-            if let Some(piece) = piece.filter(|p| !p.is_empty()) {
+        lines.push(&data, |line| {
+            let Some(piece) = format
+                .payload(line)
+                .and_then(|json| token_text(plan.api, json, &mut sample.tokens))
+            else {
+                return;
+            };
+            if !piece.is_empty() {
                 first.get_or_insert_with(|| sent.elapsed());
                 sample.text.push_str(&piece);
             }
-        }
+        });
     }
     if !status.is_success() {
+        let said = String::from_utf8_lossy(lines.rest());
         return Err(LogbookError::Run(format!(
-            "{path} answered {status}: {pending}"
+            "{path} answered {status}: {said}"
         )));
     }
     sample.total = sent.elapsed();
@@ -209,28 +223,26 @@ async fn stream_once(
     Ok(sample)
 }
 
-/// The text a stream line carries; counts tokens (one per content piece, or the server's own
-/// count where it gives one at the end).
-fn token_text(api: Api, line: &str, tokens: &mut u64) -> Option<String> {
-    let json = match api {
-        Api::Openai => line.strip_prefix("data: ").filter(|d| *d != "[DONE]")?,
-        Api::Ollama => line,
+/// The text one stream event carries; counts tokens (one per content piece, or the server's
+/// own count where it gives one at the end).
+fn token_text(api: Api, json: &[u8], tokens: &mut u64) -> Option<String> {
+    let (piece, counted) = match api {
+        Api::Openai => {
+            let chunk: openai::ChatChunk = api::parse(json)?;
+            let counted = chunk.timings.as_ref().and_then(|t| t.predicted_n);
+            (chunk.text().map(str::to_owned), counted)
+        }
+        Api::Ollama => {
+            let chunk: ollama::Chunk = api::parse(json)?;
+            (chunk.text().map(str::to_owned), chunk.eval_count)
+        }
     };
-    let value: serde_json::Value = serde_json::from_str(json).ok()?;
-    if let Some(n) = value["eval_count"]
-        .as_u64()
-        .or_else(|| value["timings"]["predicted_n"].as_u64())
-    {
-        *tokens = n;
+    match counted {
+        Some(n) => *tokens = n,
+        None if piece.as_deref().is_some_and(|p| !p.is_empty()) => *tokens += 1,
+        None => {}
     }
-    let piece = match api {
-        Api::Openai => value["choices"][0]["delta"]["content"].as_str(),
-        Api::Ollama => value["message"]["content"].as_str(),
-    }?;
-    if !piece.is_empty() && value["eval_count"].is_null() && value["timings"].is_null() {
-        *tokens += 1;
-    }
-    Some(piece.to_owned())
+    piece
 }
 
 /// Samples peak RSS of the server, peak GPU memory and energy while the run goes on.
@@ -508,7 +520,10 @@ async fn wait_ready(client: &HttpClient, plan: &Plan) -> Result<(), LogbookError
         Api::Ollama => "/api/version",
     };
     while started.elapsed() < Duration::from_secs(120) {
-        if get_json(client, plan, health).await.is_some() {
+        if get_json::<serde::de::IgnoredAny>(client, plan, health)
+            .await
+            .is_some()
+        {
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -541,7 +556,11 @@ async fn post_json(
     Ok(serde_json::from_slice(&bytes).unwrap_or_default())
 }
 
-async fn get_json(client: &HttpClient, plan: &Plan, path: &str) -> Option<serde_json::Value> {
+async fn get_json<T: serde::de::DeserializeOwned>(
+    client: &HttpClient,
+    plan: &Plan,
+    path: &str,
+) -> Option<T> {
     let uri: http::Uri = format!("{}{path}", plan.url.trim_end_matches('/'))
         .parse()
         .ok()?;
@@ -550,24 +569,19 @@ async fn get_json(client: &HttpClient, plan: &Plan, path: &str) -> Option<serde_
         return None;
     }
     let bytes = response.into_body().collect().await.ok()?.to_bytes();
-    serde_json::from_slice(&bytes).ok()
+    api::parse(&bytes)
 }
 
 /// The server's version, and (llama-server) the model file it serves.
 async fn describe_server(client: &HttpClient, plan: &Plan) -> (Option<String>, Option<String>) {
     match plan.api {
-        Api::Ollama => (
-            get_json(client, plan, "/api/version")
-                .await
-                .and_then(|v| v["version"].as_str().map(str::to_owned)),
-            None,
-        ),
+        Api::Ollama => {
+            let version: Option<ollama::Version> = get_json(client, plan, "/api/version").await;
+            (version.and_then(|v| v.version), None)
+        }
         Api::Openai => {
-            let props = get_json(client, plan, "/props").await.unwrap_or_default();
-            (
-                props["build_info"].as_str().map(str::to_owned),
-                props["model_path"].as_str().map(str::to_owned),
-            )
+            let props: llama::Props = get_json(client, plan, "/props").await.unwrap_or_default();
+            (props.build_info, props.model_path)
         }
     }
 }
@@ -575,15 +589,14 @@ async fn describe_server(client: &HttpClient, plan: &Plan) -> (Option<String>, O
 /// The model's digest: Ollama's own, or the sha256 of the model file.
 async fn model_digest(client: &HttpClient, plan: &Plan, server_model: Option<&str>) -> String {
     if plan.api == Api::Ollama
-        && let Some(tags) = get_json(client, plan, "/api/tags").await
-        && let Some(digest) = tags["models"]
-            .as_array()
+        && let Some(tags) = get_json::<ollama::Tags>(client, plan, "/api/tags").await
+        && let Some(digest) = tags
+            .models
             .into_iter()
-            .flatten()
-            .find(|m| m["name"] == plan.model.as_str() || m["model"] == plan.model.as_str())
-            .and_then(|m| m["digest"].as_str())
+            .find(|m| m.name == plan.model || m.model.as_deref() == Some(plan.model.as_str()))
+            .and_then(|m| m.digest)
     {
-        return digest.to_owned();
+        return digest;
     }
     let file = plan
         .model_file
@@ -641,14 +654,16 @@ mod tests {
     #[test]
     fn stream_lines_give_text_and_tokens() {
         let mut tokens = 0;
-        let line = "data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}";
+        let sse = StreamFormat::Sse;
+        let line = b"data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}";
+        let json = sse.payload(line).expect("a data event");
         assert_eq!(
-            token_text(Api::Openai, line, &mut tokens).as_deref(),
+            token_text(Api::Openai, json, &mut tokens).as_deref(),
             Some("Hi")
         );
-        assert_eq!(token_text(Api::Openai, "data: [DONE]", &mut tokens), None);
+        assert_eq!(sse.payload(b"data: [DONE]"), None);
         assert_eq!(tokens, 1);
-        let last = "{\"message\":{\"content\":\"\"},\"done\":true,\"eval_count\":12}";
+        let last = b"{\"message\":{\"content\":\"\"},\"done\":true,\"eval_count\":12}";
         let _ = token_text(Api::Ollama, last, &mut tokens);
         assert_eq!(tokens, 12, "the server's own count wins");
     }

@@ -26,9 +26,6 @@ const REAP_BUCKETS: &[f64] = &[
     0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0,
 ];
 
-/// The `outcome` label values of `guard_requests_total`.
-pub const OUTCOMES: [&str; 5] = ["completed", "rejected", "reaped", "failed", "timed_out"];
-
 /// Every metric guard exports. Cheap to clone: each field is a handle.
 #[derive(Clone)]
 pub struct Metrics {
@@ -62,57 +59,6 @@ pub struct Metrics {
     pub body_bytes_in_flight: IntGauge,
     pub connections: IntGauge,
     pub connections_refused_total: IntCounterVec,
-    /// Recent TTFT samples per class, for the risk detector's p95.
-    pub ttft_window: std::sync::Arc<TtftWindow>,
-}
-
-/// Recent time-to-first-token samples per class.
-#[derive(Default)]
-pub struct TtftWindow(
-    std::sync::Mutex<
-        std::collections::HashMap<
-            String,
-            std::collections::VecDeque<(std::time::Instant, std::time::Duration)>,
-        >,
-    >,
-);
-
-impl TtftWindow {
-    pub fn record(&self, class: &str, ttft: std::time::Duration) {
-        let mut classes = self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let samples = classes.entry(class.to_owned()).or_default();
-        samples.push_back((std::time::Instant::now(), ttft));
-        // Bounded: the risk detector needs a p95, not every sample of a busy minute.
-        if samples.len() > 1_000 {
-            samples.pop_front();
-        }
-    }
-
-    /// The p95 and sample count of `class`'s TTFTs within `window`.
-    pub fn p95(
-        &self,
-        class: &str,
-        window: std::time::Duration,
-    ) -> Option<(std::time::Duration, usize)> {
-        let mut classes = self
-            .0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let samples = classes.get_mut(class)?;
-        while samples.front().is_some_and(|(at, _)| at.elapsed() > window) {
-            samples.pop_front();
-        }
-        let mut recent: Vec<_> = samples.iter().map(|(_, t)| *t).collect();
-        if recent.is_empty() {
-            return None;
-        }
-        recent.sort();
-        let index = ((recent.len() - 1) as f64 * 0.95).round() as usize;
-        Some((recent[index], recent.len()))
-    }
 }
 
 impl Metrics {
@@ -274,7 +220,6 @@ impl Metrics {
                 "Connections closed at once because their listener was full (proxy: server.max_connections, metrics: metrics.max_connections).",
                 &["listener"],
             ),
-            ttft_window: std::sync::Arc::default(),
             registry,
         };
         metrics.register_all();
@@ -313,9 +258,6 @@ impl Metrics {
             Box::new(self.connections.clone()),
             Box::new(self.connections_refused_total.clone()),
         ];
-        for reason in crate::throttle::risk::REASONS {
-            self.at_risk.with_label_values(&[reason]).set(0);
-        }
         for collector in collectors {
             self.registry
                 .register(collector)
@@ -328,37 +270,6 @@ impl Metrics {
         if let Err(err) = self.registry.register(collector) {
             tracing::error!(%err, "metric registration failed");
         }
-    }
-
-    /// Makes every per-class series exist at zero, so dashboards and `absent()` alerts see
-    /// classes before their first request.
-    pub fn init_class(&self, class: &str) {
-        for outcome in OUTCOMES {
-            self.requests_total.with_label_values(&[class, outcome]);
-        }
-        for reason in crate::queue::RejectReason::ALL {
-            self.rejected_total
-                .with_label_values(&[class, reason.as_str()]);
-        }
-        for stage in ["queued", "running"] {
-            self.reaped_total.with_label_values(&[class, stage]);
-        }
-        self.admitted_total.with_label_values(&[class]);
-        for reason in ["deadline_expired", "shutting_down"] {
-            self.rejected_after_queueing_total
-                .with_label_values(&[class, reason]);
-        }
-        for which in ["upstream_idle", "client_stall", "max_duration"] {
-            self.timed_out_total.with_label_values(&[class, which]);
-        }
-        self.queue_depth.with_label_values(&[class]);
-        self.inflight.with_label_values(&[class]);
-        self.class_throttled.with_label_values(&[class]);
-        self.queue_wait_seconds.with_label_values(&[class]);
-        self.ttft_seconds.with_label_values(&[class]);
-        self.request_duration_seconds.with_label_values(&[class]);
-        self.start_prediction_error_seconds
-            .with_label_values(&[class]);
     }
 
     /// A class's configured deadline, or none.

@@ -12,8 +12,8 @@ use tokio::net::TcpListener;
 use super::Metrics;
 use crate::listen::{Accepted, Acceptor, Arrival};
 
-/// Produces the `/status` document, and brings metrics read from elsewhere up to date.
-pub type StatusFn = Arc<dyn Fn() -> serde_json::Value + Send + Sync>;
+/// Produces the `/status` document (JSON), and brings metrics read from elsewhere up to date.
+pub type StatusFn = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// How the metrics listener is bounded: scrapers are few, and none may hold it up.
 #[derive(Clone, Copy, Debug)]
@@ -79,7 +79,7 @@ fn respond(
         }
         "/status" => Response::builder()
             .header(header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(status().to_string())))
+            .body(Full::new(Bytes::from(status())))
             .unwrap_or_default(),
         _ => plain(
             StatusCode::NOT_FOUND,

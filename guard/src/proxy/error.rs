@@ -5,10 +5,15 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
-use http_body_util::{BodyExt as _, Full};
 
-use super::{outcome::Timeout, upstream::Body};
-use crate::{classify::UnknownClass, queue::RejectReason};
+use super::outcome::Timeout;
+use crate::{
+    classify::UnknownClass,
+    queue::RejectReason,
+    upstream::{
+        Body, UpstreamError, error_chain, exchange::ExchangeError, frames::StreamFormat, full,
+    },
+};
 
 /// Which API's error shape a response uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,12 +24,14 @@ pub enum ErrorShape {
     Openai,
 }
 
+/// Every way a request can fail; the causes stay attached (`#[source]`) and the client's
+/// message names them all.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
-    #[error("invalid upstream: {0}")]
-    Config(String),
-    #[error("bad request: {0}")]
-    BadRequest(String),
+    #[error("the request's length can be read two ways: {0}")]
+    Framing(&'static str),
+    #[error("reading the request body failed")]
+    BodyRead(#[source] hyper::Error),
     #[error(transparent)]
     UnknownClass(#[from] UnknownClass),
     #[error(transparent)]
@@ -48,12 +55,14 @@ pub enum ProxyError {
          upstream.refuse_remote_models is set: the request would leave this machine"
     )]
     RemoteModel { model: String },
-    #[error("upstream unreachable: {0}")]
-    UpstreamUnreachable(String),
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+    #[error("upstream unreachable")]
+    Exchange(#[from] ExchangeError),
     #[error("upstream did not answer within {} ms", .0.as_millis())]
     UpstreamTimeout(Duration),
-    #[error("the upstream's answer broke off: {0}")]
-    UpstreamReset(String),
+    #[error("the upstream's answer broke off")]
+    UpstreamReset(#[source] hyper::Error),
     #[error("the request body did not arrive within {} ms ({})", limit.as_millis(), Timeout::BodyRead.key())]
     BodyReadTimeout { limit: Duration },
     #[error("class {class}: {} ms passed ({}): {}", limit.as_millis(), which.key(), explain_timeout(*which))]
@@ -64,42 +73,6 @@ pub enum ProxyError {
     },
     #[error("guard let go of this request (an internal error)")]
     Internal,
-}
-
-/// The form of a streamed answer, which decides how an error is told mid-stream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StreamFormat {
-    /// `text/event-stream` (OpenAI, llama-server): an `error` event.
-    Sse,
-    /// `application/x-ndjson` (Ollama): an `{"error": ...}` line.
-    Ndjson,
-    /// Anything else, such as one JSON document: nothing can be appended, only cut.
-    Whole,
-}
-
-impl StreamFormat {
-    pub fn of(content_type: Option<&http::HeaderValue>) -> Self {
-        let media = content_type
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.split(';').next())
-            .map(|v| v.trim().to_ascii_lowercase());
-        match media.as_deref() {
-            Some("text/event-stream") => Self::Sse,
-            Some("application/x-ndjson") => Self::Ndjson,
-            _ => Self::Whole,
-        }
-    }
-
-    /// Tokens in a chunk of this stream: one per event or line.
-    pub fn count_tokens(self, data: &[u8]) -> u64 {
-        let lines = data.iter().filter(|b| **b == b'\n').count() as u64;
-        match self {
-            // `data: {...}\n\n`: two newlines an event.
-            Self::Sse => lines / 2,
-            Self::Ndjson => lines,
-            Self::Whole => 0,
-        }
-    }
 }
 
 fn explain_timeout(which: Timeout) -> &'static str {
@@ -128,13 +101,14 @@ fn explain(reason: RejectReason) -> &'static str {
 impl ProxyError {
     fn status(&self) -> StatusCode {
         match self {
-            Self::Config(_) | Self::UpstreamUnreachable(_) | Self::UpstreamReset(_) => {
+            Self::Upstream(UpstreamError::Timeout(_)) => StatusCode::GATEWAY_TIMEOUT,
+            Self::Upstream(_) | Self::Exchange(_) | Self::UpstreamReset(_) => {
                 StatusCode::BAD_GATEWAY
             }
             Self::BodyReadTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Self::TimedOut { .. } => StatusCode::GATEWAY_TIMEOUT,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
-            Self::BadRequest(_) | Self::UnknownClass(_) | Self::BadPath(_) => {
+            Self::Framing(_) | Self::BodyRead(_) | Self::UnknownClass(_) | Self::BadPath(_) => {
                 StatusCode::BAD_REQUEST
             }
             Self::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -149,8 +123,8 @@ impl ProxyError {
     /// The machine-readable code in OpenAI-shaped bodies.
     fn code(&self) -> &'static str {
         match self {
-            Self::Config(_) => "upstream_config",
-            Self::BadRequest(_) => "bad_request",
+            Self::Framing(_) => "framing",
+            Self::BodyRead(_) => "body_read",
             Self::UnknownClass(_) => "unknown_class",
             Self::BodyTooLarge { .. } => "body_too_large",
             Self::BadPath(_) => "bad_path",
@@ -158,8 +132,10 @@ impl ProxyError {
             Self::PassthroughFull { .. } => "passthrough_full",
             Self::Rejected { reason, .. } => reason.as_str(),
             Self::RemoteModel { .. } => "remote_model_refused",
-            Self::UpstreamUnreachable(_) => "upstream_unreachable",
-            Self::UpstreamTimeout(_) => "upstream_timeout",
+            Self::Upstream(UpstreamError::Timeout(_)) | Self::UpstreamTimeout(_) => {
+                "upstream_timeout"
+            }
+            Self::Upstream(_) | Self::Exchange(_) => "upstream_unreachable",
             Self::UpstreamReset(_) => "upstream_reset",
             Self::BodyReadTimeout { .. } => "body_read_timeout",
             Self::TimedOut { which, .. } => which.as_str(),
@@ -169,7 +145,7 @@ impl ProxyError {
 
     /// The error in the API's own body shape.
     fn body(&self, shape: ErrorShape) -> serde_json::Value {
-        let message = format!("guard: {self}");
+        let message = format!("guard: {}", error_chain(self));
         match shape {
             ErrorShape::Ollama => serde_json::json!({ "error": message }),
             ErrorShape::Openai => serde_json::json!({
@@ -238,15 +214,10 @@ pub fn retry_after_secs(estimate: Duration) -> u64 {
     estimate.as_secs_f64().ceil().max(1.0) as u64
 }
 
-/// A complete body from bytes.
-pub fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into())
-        .map_err(|never| match never {})
-        .boxed()
-}
-
 #[cfg(test)]
 mod tests {
+    use http_body_util::BodyExt as _;
+
     use super::*;
 
     async fn body_json(response: Response<Body>) -> serde_json::Value {

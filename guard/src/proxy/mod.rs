@@ -4,13 +4,11 @@
 pub mod budget;
 mod client_body;
 pub mod error;
-pub mod exchange;
 mod linger;
 pub mod outcome;
 mod passthrough;
 mod request;
 mod serve;
-pub mod upstream;
 
 use std::{
     collections::BTreeMap,
@@ -26,9 +24,7 @@ use http::{Method, Request, Response};
 use hyper::body::Incoming;
 
 pub use error::{ErrorShape, ProxyError};
-pub use exchange::{Connector, Dial};
 pub use serve::{serve, serve_connection, stop_requested};
-pub use upstream::{Body, Upstream};
 
 use crate::{
     classify::Classifier,
@@ -38,6 +34,10 @@ use crate::{
     queue::Scheduler,
     reap::{EbpfTracker, registry::Registry},
     route::QueuedPaths,
+    upstream::{
+        Body, Client,
+        exchange::{Connector, Dial},
+    },
     watch::Watched,
 };
 
@@ -67,7 +67,7 @@ impl Settings {
 
 /// What every connection handler shares.
 pub struct Proxy {
-    upstream: Upstream,
+    upstream: Client,
     connector: Arc<Connector>,
     response_timeout: Duration,
     metrics: Metrics,
@@ -83,6 +83,7 @@ pub struct Proxy {
     /// Pass-through requests in flight now.
     passing: Arc<std::sync::atomic::AtomicU32>,
     max_connections: usize,
+    ttft: Arc<crate::throttle::ttft::TtftWindow>,
 }
 
 /// The shared pieces a proxy is built from.
@@ -93,13 +94,14 @@ pub struct Parts {
     pub tracker: Option<Arc<EbpfTracker>>,
     pub half_close_means_gone: Arc<AtomicBool>,
     pub watched: Arc<Watched>,
+    /// Where first-byte times go for the risk detector.
+    pub ttft: Arc<crate::throttle::ttft::TtftWindow>,
 }
 
 impl Proxy {
     /// A proxy to the upstream of `config`, over TCP.
     pub fn new(config: &Config, parts: Parts) -> Result<Self, ProxyError> {
-        let authority =
-            crate::config::upstream_authority(&config.upstream.url).map_err(ProxyError::Config)?;
+        let authority = config.upstream.url.authority();
         let dial = Dial::Tcp {
             authority: authority.to_string(),
             connect_timeout: Duration::from_millis(config.upstream.connect_timeout_ms),
@@ -109,8 +111,11 @@ impl Proxy {
 
     /// A proxy whose queued requests reach the upstream as `dial` says.
     pub fn with_dial(config: &Config, parts: Parts, dial: Dial) -> Result<Self, ProxyError> {
+        for class in config.class.keys() {
+            outcome::init_class(&parts.metrics, class);
+        }
         Ok(Self {
-            upstream: Upstream::new(&config.upstream)?,
+            upstream: Client::new(&config.upstream),
             connector: Connector::new(dial),
             response_timeout: Duration::from_millis(config.upstream.response_timeout_ms),
             scheduler: parts.scheduler,
@@ -127,6 +132,7 @@ impl Proxy {
             ),
             passing: Arc::default(),
             max_connections: config.server.max_connections as usize,
+            ttft: parts.ttft,
             metrics: parts.metrics,
         })
     }
@@ -134,6 +140,9 @@ impl Proxy {
     /// Applies a reloaded config's classes, limits and rules. Queued and running requests
     /// keep their place.
     pub fn reload(&self, config: &Config) {
+        for class in config.class.keys() {
+            outcome::init_class(&self.metrics, class);
+        }
         self.scheduler.reconfigure(config);
         self.budget.set_cap(config.server.max_body_bytes_in_flight);
         self.remote_models.set_named_models(config);
@@ -168,7 +177,7 @@ impl Proxy {
         if let Err(reason) = framing(request.headers()) {
             return self.bad_request(
                 Invalid::Framing,
-                ProxyError::BadRequest(reason.to_owned()),
+                ProxyError::Framing(reason),
                 connection,
                 shape,
             );

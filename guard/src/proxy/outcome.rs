@@ -128,6 +128,65 @@ pub enum Outcome {
     },
 }
 
+/// The `outcome` label values of `guard_requests_total`.
+pub const OUTCOMES: [&str; 5] = ["completed", "rejected", "reaped", "failed", "timed_out"];
+
+const STAGES: [Stage; 2] = [Stage::Queued, Stage::Running];
+const TIMEOUTS: [Timeout; 3] = [
+    Timeout::UpstreamIdle,
+    Timeout::ClientStall,
+    Timeout::MaxDuration,
+];
+const FAIL_KINDS: [FailKind; 5] = [
+    FailKind::UpstreamUnreachable,
+    FailKind::UpstreamTimeout,
+    FailKind::UpstreamError,
+    FailKind::UpstreamReset,
+    FailKind::Internal,
+];
+
+/// Makes every per-class series this record writes exist at zero, so dashboards and
+/// `absent()` alerts see a class before its first request.
+pub fn init_class(metrics: &Metrics, class: &str) {
+    for outcome in OUTCOMES {
+        metrics.requests_total.with_label_values(&[class, outcome]);
+    }
+    for reason in RejectReason::ALL {
+        metrics
+            .rejected_total
+            .with_label_values(&[class, reason.as_str()]);
+    }
+    for reason in [RejectReason::DeadlineExpired, RejectReason::ShuttingDown] {
+        metrics
+            .rejected_after_queueing_total
+            .with_label_values(&[class, reason.as_str()]);
+    }
+    for stage in STAGES {
+        metrics
+            .reaped_total
+            .with_label_values(&[class, stage.as_str()]);
+    }
+    for which in TIMEOUTS {
+        metrics
+            .timed_out_total
+            .with_label_values(&[class, which.as_str()]);
+    }
+    for kind in FAIL_KINDS {
+        metrics
+            .failed_total
+            .with_label_values(&[class, kind.as_str()]);
+    }
+    metrics.admitted_total.with_label_values(&[class]);
+    for histogram in [
+        &metrics.queue_wait_seconds,
+        &metrics.ttft_seconds,
+        &metrics.request_duration_seconds,
+        &metrics.start_prediction_error_seconds,
+    ] {
+        histogram.with_label_values(&[class]);
+    }
+}
+
 /// What the record needs besides the outcome.
 pub struct Facts<'a> {
     pub peer: std::net::SocketAddr,

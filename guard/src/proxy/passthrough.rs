@@ -16,7 +16,8 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
 
-use super::{Body, ErrorShape, Proxy, ProxyError, Settings, upstream::BoxError};
+use super::{ErrorShape, Proxy, ProxyError, Settings};
+use crate::upstream::{Body, BoxError};
 
 /// One pass-through request in flight; the count falls when its answer's body is done.
 struct Slot(Arc<AtomicU32>);
@@ -98,6 +99,6 @@ async fn relay(proxy: &Proxy, request: Request<Incoming>, shape: ErrorShape) -> 
     };
     match sent {
         Ok(response) => response.map(|body| body.map_err(Into::into).boxed()),
-        Err(err) => err.into_response(shape),
+        Err(err) => ProxyError::from(err).into_response(shape),
     }
 }

@@ -199,7 +199,7 @@ impl Scheduler {
                     existing.retired = false;
                 }
                 None => {
-                    self.metrics.init_class(name);
+                    self.metrics.publish_class(name, 0, 0);
                     let fresh = ClassState {
                         limits,
                         queue: VecDeque::new(),

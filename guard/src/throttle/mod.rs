@@ -4,6 +4,7 @@
 pub mod cgroup;
 pub mod risk;
 pub mod state;
+pub mod ttft;
 
 use crate::{config::Config, metrics::Metrics};
 use cgroup::Cgroup;
@@ -46,7 +47,6 @@ impl Throttler {
             let cgroup = Cgroup::resolve(path, mode).map_err(|e| setup(e.into()))?;
             let record =
                 Record::open(&config.risk.state_dir, path, &cgroup.control.file).map_err(setup)?;
-            metrics.class_throttled.with_label_values(&[name]).set(0);
             targets.push(Target {
                 class: name.clone(),
                 cgroup,
@@ -54,11 +54,24 @@ impl Throttler {
                 throttled: false,
             });
         }
+        // Every class, throttleable or not, shows as not held back from the start.
+        for name in config.class.keys() {
+            metrics.class_throttled.with_label_values(&[name]).set(0);
+        }
         Ok(Self {
             targets,
             metrics: metrics.clone(),
         })
     }
+    /// The classes whose cgroups are held back now.
+    pub fn throttled(&self) -> Vec<String> {
+        self.targets
+            .iter()
+            .filter(|t| t.throttled)
+            .map(|t| t.class.clone())
+            .collect()
+    }
+
     /// Holds back every class whose priority is above `protect_priority`.
     pub fn throttle(&mut self, config: &Config) {
         for target in &mut self.targets {

@@ -11,7 +11,7 @@ use std::{
 
 use tokio::time::Instant;
 
-use super::Throttler;
+use super::{Throttler, ttft::TtftWindow};
 use crate::{config::Config, metrics::Metrics, queue::Scheduler, watch::Watched};
 
 /// A signal may clear only below this share of its threshold.
@@ -21,7 +21,61 @@ const TICK: Duration = Duration::from_millis(250);
 /// The window of TTFT samples the p95 is taken over.
 pub const TTFT_WINDOW: Duration = Duration::from_secs(60);
 
-pub const REASONS: &[&str] = &["wait", "ttft", "swap", "memory_pressure", "gpu_memory"];
+/// What can put protected deadlines at risk.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Signal {
+    /// A protected request has waited its share of its deadline.
+    Wait,
+    /// A protected class's recent TTFT p95 is over its deadline.
+    Ttft,
+    Swap,
+    MemoryPressure,
+    GpuMemory,
+}
+
+impl Signal {
+    pub const ALL: [Self; 5] = [
+        Self::Wait,
+        Self::Ttft,
+        Self::Swap,
+        Self::MemoryPressure,
+        Self::GpuMemory,
+    ];
+
+    /// The `reason` label of `guard_at_risk`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Wait => "wait",
+            Self::Ttft => "ttft",
+            Self::Swap => "swap",
+            Self::MemoryPressure => "memory_pressure",
+            Self::GpuMemory => "gpu_memory",
+        }
+    }
+}
+
+/// The signals that are on now, as /status shows them (the detector writes, others read).
+#[derive(Debug, Default)]
+pub struct RiskView(Mutex<BTreeSet<Signal>>);
+
+impl RiskView {
+    pub fn signals(&self) -> Vec<Signal> {
+        self.lock().iter().copied().collect()
+    }
+
+    fn set(&self, signals: &BTreeSet<Signal>) {
+        self.lock().clone_from(signals);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<Signal>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
 
 /// What the detector reads in one look.
 #[derive(Clone, Debug, Default)]
@@ -39,10 +93,10 @@ pub struct Inputs {
 pub fn evaluate(
     inputs: &Inputs,
     config: &crate::config::RiskConfig,
-    before: &BTreeSet<&'static str>,
-) -> BTreeSet<&'static str> {
-    let over = |reason: &'static str, value: f64, threshold: f64| {
-        let limit = if before.contains(reason) {
+    before: &BTreeSet<Signal>,
+) -> BTreeSet<Signal> {
+    let over = |signal: Signal, value: f64, threshold: f64| {
+        let limit = if before.contains(&signal) {
             threshold * CLEAR_BAND
         } else {
             threshold
@@ -53,28 +107,32 @@ pub fn evaluate(
     if inputs
         .wait_fractions
         .iter()
-        .any(|f| over("wait", *f, config.wait_fraction))
+        .any(|f| over(Signal::Wait, *f, config.wait_fraction))
     {
-        on.insert("wait");
+        on.insert(Signal::Wait);
     }
     let ttft_over = inputs.ttft.iter().any(|(p95, samples, deadline)| {
         *samples >= config.ttft_min_samples
-            && over("ttft", p95.as_secs_f64(), deadline.as_secs_f64())
+            && over(Signal::Ttft, p95.as_secs_f64(), deadline.as_secs_f64())
     });
     if ttft_over {
-        on.insert("ttft");
+        on.insert(Signal::Ttft);
     }
-    for (reason, value, threshold) in [
-        ("swap", inputs.swap_in, config.swap_in_pages_per_second),
+    for (signal, value, threshold) in [
         (
-            "memory_pressure",
+            Signal::Swap,
+            inputs.swap_in,
+            config.swap_in_pages_per_second,
+        ),
+        (
+            Signal::MemoryPressure,
             inputs.memory_pressure,
             config.memory_pressure,
         ),
-        ("gpu_memory", inputs.gpu_memory, config.gpu_memory),
+        (Signal::GpuMemory, inputs.gpu_memory, config.gpu_memory),
     ] {
-        if value.is_some_and(|v| over(reason, v, threshold)) {
-            on.insert(reason);
+        if value.is_some_and(|v| over(signal, v, threshold)) {
+            on.insert(signal);
         }
     }
     on
@@ -84,7 +142,7 @@ pub fn evaluate(
 #[derive(Debug, Default)]
 pub struct State {
     pub at_risk: bool,
-    pub signals: BTreeSet<&'static str>,
+    pub signals: BTreeSet<Signal>,
     clear_since: Option<Instant>,
 }
 
@@ -99,7 +157,7 @@ impl State {
     pub fn step(
         &mut self,
         now: Instant,
-        signals: BTreeSet<&'static str>,
+        signals: BTreeSet<Signal>,
         hold: Duration,
     ) -> Option<Change> {
         self.signals = signals;
@@ -134,15 +192,35 @@ fn protected_classes(config: &Config) -> Vec<(String, Duration)> {
         .collect()
 }
 
+/// What the detector reads and writes.
+pub struct Detector {
+    pub scheduler: Arc<Scheduler>,
+    pub watched: Arc<Watched>,
+    pub metrics: Metrics,
+    pub throttler: Arc<Mutex<Throttler>>,
+    pub ttft: Arc<TtftWindow>,
+    pub view: Arc<RiskView>,
+}
+
+/// Makes `guard_at_risk` exist at zero for every signal.
+pub fn init(metrics: &Metrics) {
+    for signal in Signal::ALL {
+        metrics.at_risk.with_label_values(&[signal.as_str()]).set(0);
+    }
+}
+
 /// Runs the detector until the task is dropped. A reloaded config (SIGHUP) changes its
 /// thresholds, hold time and protected classes from the next look on.
-pub async fn run(
-    mut configs: tokio::sync::watch::Receiver<Config>,
-    scheduler: Arc<Scheduler>,
-    watched: Arc<Watched>,
-    metrics: Metrics,
-    throttler: Arc<Mutex<Throttler>>,
-) {
+pub async fn run(mut configs: tokio::sync::watch::Receiver<Config>, detector: Detector) {
+    let Detector {
+        scheduler,
+        watched,
+        metrics,
+        throttler,
+        ttft,
+        view,
+    } = detector;
+    init(&metrics);
     let mut state = State::default();
     let mut config = configs.borrow_and_update().clone();
     let mut protected = protected_classes(&config);
@@ -165,7 +243,7 @@ pub async fn run(
             ttft: protected
                 .iter()
                 .filter_map(|(class, deadline)| {
-                    let (p95, samples) = metrics.ttft_window.p95(class, TTFT_WINDOW)?;
+                    let (p95, samples) = ttft.p95(class, TTFT_WINDOW)?;
                     Some((p95, samples, *deadline))
                 })
                 .collect(),
@@ -174,13 +252,14 @@ pub async fn run(
             gpu_memory: signals.gpu_memory_fraction,
         };
         let on = evaluate(&inputs, &config.risk, &state.signals);
-        for reason in REASONS {
+        for signal in Signal::ALL {
             metrics
                 .at_risk
-                .with_label_values(&[reason])
-                .set(i64::from(on.contains(reason)));
+                .with_label_values(&[signal.as_str()])
+                .set(i64::from(on.contains(&signal)));
         }
-        let reasons = on.iter().copied().collect::<Vec<_>>().join(",");
+        view.set(&on);
+        let reasons = on.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(",");
         match state.step(Instant::now(), on, hold) {
             Some(Change::Enter) => {
                 tracing::warn!(
@@ -226,13 +305,16 @@ mod tests {
             ..Inputs::default()
         };
         let on = evaluate(&inputs, &config, &none);
-        assert_eq!(on, BTreeSet::from(["wait"]));
+        assert_eq!(on, BTreeSet::from([Signal::Wait]));
         // 0.45 is under the threshold (0.5) but above the clear band (0.4): stays on.
         let inputs = Inputs {
             wait_fractions: vec![0.45],
             ..Inputs::default()
         };
-        assert_eq!(evaluate(&inputs, &config, &on), BTreeSet::from(["wait"]));
+        assert_eq!(
+            evaluate(&inputs, &config, &on),
+            BTreeSet::from([Signal::Wait])
+        );
         assert!(
             evaluate(&inputs, &config, &none).is_empty(),
             "not on without having been on"
@@ -254,7 +336,7 @@ mod tests {
         assert!(evaluate(&slow(2), &config, &BTreeSet::new()).is_empty());
         assert_eq!(
             evaluate(&slow(5), &config, &BTreeSet::new()),
-            BTreeSet::from(["ttft"])
+            BTreeSet::from([Signal::Ttft])
         );
     }
 
@@ -270,7 +352,7 @@ mod tests {
         let on = evaluate(&inputs, &config, &BTreeSet::new());
         assert_eq!(
             on,
-            BTreeSet::from(["gpu_memory", "memory_pressure", "swap"])
+            BTreeSet::from([Signal::Swap, Signal::MemoryPressure, Signal::GpuMemory])
         );
     }
 
@@ -280,10 +362,13 @@ mod tests {
         let hold = Duration::from_secs(10);
         let t0 = Instant::now();
         assert_eq!(
-            state.step(t0, BTreeSet::from(["wait"]), hold),
+            state.step(t0, BTreeSet::from([Signal::Wait]), hold),
             Some(Change::Enter)
         );
-        assert_eq!(state.step(t0 + MS, BTreeSet::from(["swap"]), hold), None);
+        assert_eq!(
+            state.step(t0 + MS, BTreeSet::from([Signal::Swap]), hold),
+            None
+        );
         assert_eq!(
             state.step(t0 + 2 * MS, BTreeSet::new(), hold),
             None,
@@ -294,7 +379,11 @@ mod tests {
             None
         );
         assert_eq!(
-            state.step(t0 + Duration::from_secs(6), BTreeSet::from(["wait"]), hold),
+            state.step(
+                t0 + Duration::from_secs(6),
+                BTreeSet::from([Signal::Wait]),
+                hold
+            ),
             None,
             "back on: hold restarts"
         );

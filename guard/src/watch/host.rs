@@ -98,9 +98,7 @@ impl HostWatcher {
             last_vmstat: None,
             configured_pid: (config.watch.upstream_pid != 0)
                 .then_some(config.watch.upstream_pid as i32),
-            upstream_port: crate::config::upstream_authority(&config.upstream.url)
-                .ok()
-                .and_then(|a| a.port_u16()),
+            upstream_port: Some(config.upstream.url.port()),
             found_pid: None,
             psi_warned: false,
         }
@@ -244,7 +242,9 @@ mod tests {
     fn a_sample_reads_swap_and_the_upstream_process() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let mut config = Config::default();
-        config.upstream.url = format!("http://{}", listener.local_addr().expect("addr"));
+        config.upstream.url = format!("http://{}", listener.local_addr().expect("addr"))
+            .parse()
+            .expect("a URL");
         let mut watcher = HostWatcher::new(&Metrics::new(), &config);
         let first = watcher.sample();
         assert!(first.swap_total_bytes.is_some());

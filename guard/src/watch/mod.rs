@@ -3,7 +3,6 @@
 //!
 //! Each watcher turns readings into metrics and into [`Signals`] the risk detector reads.
 
-pub mod coldload;
 pub mod gpu;
 pub mod host;
 pub mod upstream;
@@ -13,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use crate::{config::Config, metrics::Metrics, proxy::Upstream};
+use crate::{config::Config, metrics::Metrics, upstream::Client};
 
 /// The latest readings the risk detector needs; `None` where a source is absent.
 #[derive(Clone, Debug, Default, serde::Serialize)]
@@ -85,7 +84,7 @@ impl Watched {
 }
 
 /// Starts every watcher; they run until the runtime stops.
-pub fn spawn(config: &Config, metrics: &Metrics, upstream: Upstream) -> Arc<Watched> {
+pub fn spawn(config: &Config, metrics: &Metrics, upstream: Client) -> Arc<Watched> {
     let watched = Arc::new(Watched::default());
     watched.set_named_models(config);
     let interval = Duration::from_millis(config.watch.interval_ms);

@@ -8,11 +8,15 @@ use bytes::Bytes;
 use http::{Method, Request};
 use http_body_util::BodyExt as _;
 use prometheus::{GaugeVec, IntGauge, Opts};
+use serde::de::DeserializeOwned;
 
 use crate::{
     config::{Api, Config},
     metrics::Metrics,
-    proxy::Upstream,
+    upstream::{
+        Client,
+        api::{self, llama, ollama, openai},
+    },
 };
 
 /// Models served from elsewhere, as far as guard has learnt (a privacy boundary).
@@ -50,7 +54,7 @@ impl RemoteModels {
 }
 
 /// A model Ollama has loaded.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LoadedModel {
     pub name: String,
     pub size_bytes: u64,
@@ -59,37 +63,20 @@ pub struct LoadedModel {
     pub expires_at: Option<String>,
 }
 
-/// Reads Ollama's /api/ps answer.
-pub fn parse_ps(body: &serde_json::Value) -> Vec<LoadedModel> {
-    body["models"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|m| {
-            let name = m["name"]
-                .as_str()
-                .or_else(|| m["model"].as_str())?
-                .to_owned();
-            let size = m["size"].as_u64().unwrap_or(0);
-            let vram = m["size_vram"].as_u64().unwrap_or(0);
-            let cpu_offload_ratio = if size == 0 {
-                0.0
-            } else {
-                1.0 - (vram.min(size) as f64 / size as f64)
-            };
-            Some(LoadedModel {
-                name,
-                size_bytes: size,
-                size_vram_bytes: vram,
-                cpu_offload_ratio,
-                expires_at: m["expires_at"].as_str().map(str::to_owned),
-            })
-        })
-        .collect()
+impl From<&ollama::Running> for LoadedModel {
+    fn from(running: &ollama::Running) -> Self {
+        Self {
+            name: running.name().unwrap_or_default().to_owned(),
+            size_bytes: running.size,
+            size_vram_bytes: running.size_vram,
+            cpu_offload_ratio: running.cpu_offload_ratio(),
+            expires_at: running.expires_at.clone(),
+        }
+    }
 }
 
 pub struct UpstreamWatcher {
-    upstream: Upstream,
+    upstream: Client,
     api: Api,
     up: IntGauge,
     offload: GaugeVec,
@@ -99,7 +86,7 @@ pub struct UpstreamWatcher {
 }
 
 impl UpstreamWatcher {
-    pub fn new(metrics: &Metrics, config: &Config, upstream: Upstream) -> Self {
+    pub fn new(metrics: &Metrics, config: &Config, upstream: Client) -> Self {
         let gauge_vec = |name: &str, help: &str| {
             let g = GaugeVec::new(Opts::new(name, help), &["model"]).expect("valid gauge");
             metrics.register(Box::new(g.clone()));
@@ -145,94 +132,80 @@ impl UpstreamWatcher {
     }
 
     async fn sample_ollama(&mut self, remote_models: &RemoteModels) -> serde_json::Value {
-        let Some(ps) = self.json(Method::GET, "/api/ps", None).await else {
+        let Some(ps) = self.json::<ollama::Ps>(Method::GET, "/api/ps", None).await else {
             self.up.set(0);
             return serde_json::json!({ "up": false });
         };
         self.up.set(1);
-        let loaded = parse_ps(&ps);
+        let loaded: Vec<LoadedModel> = ps.models.iter().map(LoadedModel::from).collect();
         self.offload.reset();
         for model in &loaded {
             self.offload
                 .with_label_values(&[&model.name])
                 .set(model.cpu_offload_ratio);
         }
-        if let Some(tags) = self.json(Method::GET, "/api/tags", None).await {
-            for name in tags["models"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|m| m["name"].as_str())
-            {
-                if remote_models.known(name) {
-                    continue;
-                }
-                let show = self
-                    .json(
-                        Method::POST,
-                        "/api/show",
-                        Some(serde_json::json!({ "model": name })),
-                    )
-                    .await;
-                if let Some(show) = show {
-                    let remote = show.get("remote_host").is_some_and(|h| !h.is_null());
-                    remote_models.set(name, remote || remote_models.is_remote(name));
-                }
-            }
-            for name in tags["models"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|m| m["name"].as_str())
-            {
+        if let Some(tags) = self
+            .json::<ollama::Tags>(Method::GET, "/api/tags", None)
+            .await
+        {
+            for tag in &tags.models {
+                self.learn(&tag.name, remote_models).await;
                 self.remote
-                    .with_label_values(&[name])
-                    .set(f64::from(u8::from(remote_models.is_remote(name))));
+                    .with_label_values(&[&tag.name])
+                    .set(f64::from(u8::from(remote_models.is_remote(&tag.name))));
             }
         }
         serde_json::json!({ "up": true, "loaded_models": loaded })
     }
 
+    /// Asks Ollama once where a model it lists runs.
+    async fn learn(&self, name: &str, remote_models: &RemoteModels) {
+        if remote_models.known(name) {
+            return;
+        }
+        let question = serde_json::json!({ "model": name });
+        if let Some(show) = self
+            .json::<ollama::Show>(Method::POST, "/api/show", Some(question))
+            .await
+        {
+            let remote = show.remote_host.is_some();
+            remote_models.set(name, remote || remote_models.is_remote(name));
+        }
+    }
+
     async fn sample_llama(&mut self, remote_models: &RemoteModels) -> serde_json::Value {
         // The models it serves: only these may name a metric label.
-        if let Some(models) = self.json(Method::GET, "/v1/models", None).await {
-            for id in models["data"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter_map(|m| m["id"].as_str())
-            {
-                if !remote_models.known(id) {
-                    remote_models.set(id, false);
+        if let Some(models) = self
+            .json::<openai::Models>(Method::GET, "/v1/models", None)
+            .await
+        {
+            for model in &models.data {
+                if !remote_models.known(&model.id) {
+                    remote_models.set(&model.id, false);
                 }
             }
         }
-        let Some(text) = self.text(Method::GET, "/metrics", None).await else {
+        let load = self
+            .text(Method::GET, "/metrics", None)
+            .await
+            .and_then(|text| llama::Load::parse(&text));
+        let Some(load) = load else {
             self.up.set(0);
             return serde_json::json!({ "up": false });
         };
         self.up.set(1);
-        let value = |name: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
-                .unwrap_or(0.0)
-        };
-        let (busy, deferred) = (
-            value("llamacpp:requests_processing"),
-            value("llamacpp:requests_deferred"),
-        );
-        self.busy.set(busy as i64);
-        self.deferred.set(deferred as i64);
-        serde_json::json!({ "up": true, "busy": busy, "deferred": deferred })
+        self.busy.set(load.processing as i64);
+        self.deferred.set(load.deferred as i64);
+        serde_json::json!({ "up": true, "busy": load.processing, "deferred": load.deferred })
     }
 
-    async fn json(
+    async fn json<T: DeserializeOwned>(
         &self,
         method: Method,
         path: &str,
         body: Option<serde_json::Value>,
-    ) -> Option<serde_json::Value> {
-        serde_json::from_str(&self.text(method, path, body).await?).ok()
+    ) -> Option<T> {
+        api::parse(self.text(method, path, body).await?.as_bytes())
     }
 
     async fn text(
@@ -260,22 +233,6 @@ impl UpstreamWatcher {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn offload_is_the_share_outside_gpu_memory() {
-        let ps = serde_json::json!({ "models": [
-            { "name": "a:1b", "size": 1000, "size_vram": 1000, "expires_at": "2026-12-02T10:00:00Z" },
-            { "name": "b:7b", "size": 1000, "size_vram": 480 },
-            { "name": "c:cpu", "size": 1000, "size_vram": 0 },
-        ]});
-        let loaded = parse_ps(&ps);
-        let ratios: Vec<f64> = loaded.iter().map(|m| m.cpu_offload_ratio).collect();
-        assert_eq!(ratios, vec![0.0, 0.52, 1.0]);
-        assert_eq!(
-            loaded[0].expires_at.as_deref(),
-            Some("2026-12-02T10:00:00Z")
-        );
-    }
 
     #[test]
     fn cloud_names_are_remote_before_any_lookup() {

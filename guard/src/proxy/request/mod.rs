@@ -6,7 +6,6 @@
 //! the upstream exchange and the way back to the client; `conclude` is the only place that
 //! ends the exchange, returns the permit and records the outcome, in that order.
 
-mod asks;
 mod phases;
 mod relay;
 
@@ -17,10 +16,9 @@ use hyper::body::Incoming;
 use tokio::{sync::oneshot, time::Instant};
 
 use super::{
-    Body, Proxy, Settings,
+    Proxy, Settings,
     error::{ErrorShape, ProxyError},
     error_shape,
-    exchange::Exchange,
     outcome::{Facts, FailKind, Outcome, Stage, Timeout},
 };
 use crate::{
@@ -28,11 +26,12 @@ use crate::{
     proxy::budget::Held,
     queue::Permit,
     reap::{event::monotonic_now, registry::Connection},
+    upstream::{Body, asks::Asks, exchange::Exchange},
 };
 
 /// What guard reads from a body: its model and the output tokens it asks for.
 pub(super) fn read_asks(body: &[u8]) -> (Option<String>, Option<u64>) {
-    let asks = asks::Asks::read(body);
+    let asks = Asks::read(body);
     let tokens = asks.tokens();
     (asks.model, tokens)
 }

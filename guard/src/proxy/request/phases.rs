@@ -4,23 +4,24 @@
 
 use std::sync::OnceLock;
 
-use super::{Ending, QueuedRequest, asks::Asks};
+use bytes::Bytes;
+use http::{Request, request};
+use http_body_util::BodyExt as _;
+use hyper::body::Incoming;
+
+use super::{Ending, QueuedRequest};
 use crate::{
     classify::RequestFacts,
     proxy::{
         budget::Held,
         error::ProxyError,
-        exchange::Exchange,
         outcome::{FailKind, Invalid, Outcome, Stage, Timeout},
     },
     queue::{Job, RejectReason, Ticket},
     quote::quote,
     reap::owner::client_cgroup,
+    upstream::{asks::Asks, exchange::Exchange},
 };
-use bytes::Bytes;
-use http::{Request, request};
-use http_body_util::BodyExt as _;
-use hyper::body::Incoming;
 
 type Phase<T> = Result<T, Ending>;
 
@@ -122,7 +123,7 @@ impl QueuedRequest {
             Ok(Err(BodyError::BudgetFull)) => Err(self.body_bytes_full()),
             Ok(Err(BodyError::Read(err))) => Err(Ending::new(
                 Outcome::Invalid(Invalid::BodyRead),
-                ProxyError::BadRequest(format!("reading the request body: {err}")),
+                ProxyError::BodyRead(err),
             )),
             Err(_) => Err(Ending::new(
                 Outcome::TimedOut {
@@ -275,7 +276,9 @@ impl QueuedRequest {
             .proxy
             .upstream
             .for_exchange(head, body)
-            .map_err(|err| Ending::new(Outcome::Failed(FailKind::UpstreamUnreachable), err))?;
+            .map_err(|err| {
+                Ending::new(Outcome::Failed(FailKind::UpstreamUnreachable), err.into())
+            })?;
         let watch = self.watch();
         let response_timeout = self.proxy.response_timeout;
         let starting = tokio::time::timeout(
@@ -294,11 +297,11 @@ impl QueuedRequest {
                 Ok(started)
             }
             Ok(Err(err)) => {
-                let cause = crate::proxy::upstream::error_chain(&err);
+                let cause = crate::upstream::error_chain(&err);
                 tracing::warn!(class = ?self.class, error = %cause, "upstream request failed");
                 Err(Ending::new(
                     Outcome::Failed(FailKind::UpstreamUnreachable),
-                    ProxyError::UpstreamUnreachable(cause),
+                    err.into(),
                 ))
             }
             Err(_) => Err(Ending::new(

@@ -12,12 +12,15 @@ use super::{Ending, Interrupt, QueuedRequest};
 use crate::{
     proxy::{
         client_body::{ClientBody, Feed, Offer},
-        error::{ErrorShape, ProxyError, StreamFormat},
-        exchange::Exchange,
+        error::{ErrorShape, ProxyError},
         outcome::{FailKind, Outcome, Stage, Timeout},
-        upstream::strip_hop_by_hop,
     },
-    watch::coldload,
+    upstream::{
+        api::{self, ollama},
+        exchange::Exchange,
+        frames::{self, StreamFormat},
+        strip_hop_by_hop,
+    },
 };
 
 /// How long a client that left after data waits for the upstream's end: an SSE client closes
@@ -89,7 +92,7 @@ impl QueuedRequest {
                 Next::Idle => Some(self.timed_out_ending(Timeout::UpstreamIdle)),
                 Next::Broken(err) => Some(Ending::new(
                     Outcome::Failed(FailKind::UpstreamReset),
-                    ProxyError::UpstreamReset(err.to_string()),
+                    ProxyError::UpstreamReset(err),
                 )),
                 Next::Interrupted(interrupt) => {
                     Some(self.interrupted_relay(&relay, interrupt).await)
@@ -138,7 +141,7 @@ impl QueuedRequest {
                 permit.progress().advance(relay.format.count_tokens(data));
             }
             if let Some(tail) = &mut relay.tail {
-                coldload::keep_tail(tail, data);
+                frames::keep_tail(tail, data);
             }
             if !relay.sent_data && !data.is_empty() {
                 relay.sent_data = true;
@@ -199,13 +202,18 @@ impl QueuedRequest {
         self.ttft = Some(ttft);
         if let Some(class) = &self.class {
             // The risk detector reads recent TTFTs as they happen.
-            self.proxy.metrics.ttft_window.record(class, ttft);
+            self.proxy.ttft.record(class, ttft);
         }
     }
 
     /// Ollama's answer says how long its model took to load: a long load is a cold load.
     fn note_cold_load(&self, tail: &[u8]) {
-        let Some(load) = coldload::load_duration(tail) else {
+        // Ollama's last line says how long loading the model took.
+        let last: Option<ollama::Chunk> = frames::last_line(tail).and_then(api::parse);
+        let Some(load) = last
+            .and_then(|chunk| chunk.load_duration)
+            .map(Duration::from_nanos)
+        else {
             return;
         };
         let model = self

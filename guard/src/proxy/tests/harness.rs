@@ -33,10 +33,12 @@ use tokio::{
 
 use crate::{
     config::Config,
-    metrics::{Metrics, OUTCOMES},
-    proxy::{Dial, Parts, Proxy, serve_connection, upstream::BoxError},
+    metrics::Metrics,
+    proxy::outcome::OUTCOMES,
+    proxy::{Dial, Parts, Proxy, serve_connection},
     queue::Scheduler,
     reap::registry::Registry,
+    upstream::BoxError,
     watch::Watched,
 };
 
@@ -363,7 +365,7 @@ impl Harness {
         let upstream = Arc::new(Upstream::default());
         let connect = {
             let upstream = Arc::clone(&upstream);
-            Arc::new(move || Box::new(upstream.connect()) as Box<dyn super::super::exchange::Io>)
+            Arc::new(move || Box::new(upstream.connect()) as Box<dyn crate::upstream::exchange::Io>)
         };
         let parts = Parts {
             metrics: metrics.clone(),
@@ -372,6 +374,7 @@ impl Harness {
             tracker: None,
             half_close_means_gone: Arc::new(true.into()),
             watched: Arc::new(Watched::default()),
+            ttft: Arc::default(),
         };
         let proxy = Proxy::with_dial(&config, parts, Dial::Memory(connect)).expect("a proxy");
         Self {

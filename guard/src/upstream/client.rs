@@ -6,55 +6,59 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response, Uri, uri::Authority};
-use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 use hyper_util::{
-    client::legacy::{Client, Error as ClientError, connect::HttpConnector},
+    client::legacy::{Client as Pool, Error as PoolError, connect::HttpConnector},
     rt::TokioExecutor,
 };
 
-use super::error::{ProxyError, full};
-use crate::config::{UpstreamConfig, upstream_authority};
+use super::{Body, full, strip_hop_by_hop};
+use crate::config::UpstreamConfig;
 
-/// The error of any body guard relays.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// Any request or response body guard relays.
-pub type Body = BoxBody<Bytes, BoxError>;
+/// Why a request to the upstream got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("upstream unreachable")]
+    Unreachable(#[source] PoolError),
+    #[error("upstream did not answer within {} ms", .0.as_millis())]
+    Timeout(Duration),
+    #[error("the request cannot be addressed to the upstream")]
+    Address(#[source] http::Error),
+}
 
 /// A keep-alive client for one upstream server.
 #[derive(Clone)]
-pub struct Upstream {
-    client: Client<HttpConnector, Body>,
+pub struct Client {
+    pool: Pool<HttpConnector, Body>,
     authority: Authority,
     response_timeout: Duration,
 }
 
-impl Upstream {
-    pub fn new(config: &UpstreamConfig) -> Result<Self, ProxyError> {
-        let authority = upstream_authority(&config.url).map_err(ProxyError::Config)?;
+impl Client {
+    pub fn new(config: &UpstreamConfig) -> Self {
+        let authority = config.url.authority().clone();
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(Duration::from_millis(config.connect_timeout_ms)));
         connector.set_nodelay(true);
         // Pass-through requests are at most `max_passthrough` at once: so are the connections
         // kept for them.
-        let client = Client::builder(TokioExecutor::new())
+        let pool = Pool::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
             .pool_max_idle_per_host(config.max_passthrough as usize)
             .build(connector);
-        Ok(Self {
-            client,
+        Self {
+            pool,
             authority,
             response_timeout: Duration::from_millis(config.response_timeout_ms),
-        })
+        }
     }
 
     /// Sends `request` (its URI's path and query are kept) and waits for the response head.
-    pub async fn send(&self, request: Request<Body>) -> Result<Response<Incoming>, ProxyError> {
+    pub async fn send(&self, request: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
         let request = self.to_upstream(request)?;
         self.exchange(request)
             .await?
-            .map_err(|err| ProxyError::UpstreamUnreachable(error_chain(&err)))
+            .map_err(UpstreamError::Unreachable)
     }
 
     /// Sends a request whose body is in memory (bodiless pass-through requests, the watchers'
@@ -66,7 +70,7 @@ impl Upstream {
         &self,
         head: &http::request::Parts,
         body: Bytes,
-    ) -> Result<Response<Incoming>, ProxyError> {
+    ) -> Result<Response<Incoming>, UpstreamError> {
         let request = || {
             let mut request = Request::new(full(body.clone()));
             *request.method_mut() = head.method.clone();
@@ -77,12 +81,12 @@ impl Upstream {
         };
         match self.exchange(request()?).await? {
             Err(err) if closed_before_answering(&err) => {
-                tracing::debug!(error = %error_chain(&err), "upstream closed a reused connection; sending again");
+                tracing::debug!(error = %super::error_chain(&err), "upstream closed a reused connection; sending again");
                 self.exchange(request()?).await?
             }
             result => result,
         }
-        .map_err(|err| ProxyError::UpstreamUnreachable(error_chain(&err)))
+        .map_err(UpstreamError::Unreachable)
     }
 
     /// A queued request as it goes to the upstream on an exchange of its own: origin-form
@@ -92,27 +96,29 @@ impl Upstream {
         &self,
         head: &http::request::Parts,
         body: Bytes,
-    ) -> Result<Request<Body>, ProxyError> {
+    ) -> Result<Request<Body>, UpstreamError> {
         let target = head.uri.path_and_query().map_or("/", |p| p.as_str());
         let mut request = Request::new(full(body));
         *request.method_mut() = head.method.clone();
         *request.uri_mut() = target
             .parse()
-            .map_err(|err: http::uri::InvalidUri| ProxyError::BadRequest(err.to_string()))?;
+            .map_err(|err: http::uri::InvalidUri| UpstreamError::Address(err.into()))?;
         *request.headers_mut() = head.headers.clone();
         let headers = request.headers_mut();
         strip_hop_by_hop(headers);
         headers.remove(http::header::EXPECT);
-        headers.insert(
-            http::header::HOST,
-            http::HeaderValue::from_str(self.authority.as_str())
-                .map_err(|err| ProxyError::BadRequest(err.to_string()))?,
-        );
+        headers.insert(http::header::HOST, self.host());
         Ok(request)
     }
 
+    /// The upstream's own Host value (an authority is always a valid header value).
+    fn host(&self) -> http::HeaderValue {
+        http::HeaderValue::from_str(self.authority.as_str())
+            .unwrap_or_else(|_| http::HeaderValue::from_static("localhost"))
+    }
+
     /// Points `request` at the upstream and removes what belongs to the client's hop.
-    fn to_upstream(&self, mut request: Request<Body>) -> Result<Request<Body>, ProxyError> {
+    fn to_upstream(&self, mut request: Request<Body>) -> Result<Request<Body>, UpstreamError> {
         let path = request
             .uri()
             .path_and_query()
@@ -123,13 +129,11 @@ impl Upstream {
             .authority(self.authority.clone())
             .path_and_query(path)
             .build()
-            .map_err(|err| ProxyError::BadRequest(err.to_string()))?;
+            .map_err(UpstreamError::Address)?;
         strip_hop_by_hop(request.headers_mut());
-        request.headers_mut().insert(
-            http::header::HOST,
-            http::HeaderValue::from_str(self.authority.as_str())
-                .map_err(|err| ProxyError::BadRequest(err.to_string()))?,
-        );
+        request
+            .headers_mut()
+            .insert(http::header::HOST, self.host());
         Ok(request)
     }
 
@@ -137,9 +141,9 @@ impl Upstream {
     async fn exchange(
         &self,
         request: Request<Body>,
-    ) -> Result<Result<Response<Incoming>, ClientError>, ProxyError> {
-        match tokio::time::timeout(self.response_timeout, self.client.request(request)).await {
-            Err(_) => Err(ProxyError::UpstreamTimeout(self.response_timeout)),
+    ) -> Result<Result<Response<Incoming>, PoolError>, UpstreamError> {
+        match tokio::time::timeout(self.response_timeout, self.pool.request(request)).await {
+            Err(_) => Err(UpstreamError::Timeout(self.response_timeout)),
             Ok(result) => Ok(result.map(|mut response| {
                 strip_hop_by_hop(response.headers_mut());
                 response
@@ -150,50 +154,10 @@ impl Upstream {
 
 /// Whether the connection closed before any of the answer came: the mark of a pooled
 /// keep-alive connection the server had already given up.
-fn closed_before_answering(err: &ClientError) -> bool {
+fn closed_before_answering(err: &PoolError) -> bool {
     std::error::Error::source(err)
         .and_then(|source| source.downcast_ref::<hyper::Error>())
         .is_some_and(hyper::Error::is_incomplete_message)
-}
-
-/// Removes the headers that describe one hop, not the message (RFC 9110 §7.6.1): the fixed
-/// ones, and every header the `Connection` header names.
-pub fn strip_hop_by_hop(headers: &mut http::HeaderMap) {
-    const HOP_BY_HOP: &[&str] = &[
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "upgrade",
-    ];
-    let named: Vec<http::HeaderName> = headers
-        .get_all(http::header::CONNECTION)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .filter_map(|name| http::HeaderName::try_from(name.trim()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
-    }
-    for name in HOP_BY_HOP {
-        headers.remove(*name);
-    }
-}
-
-/// The error and its causes on one line: hyper's top-level messages alone say little.
-pub fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]
@@ -249,26 +213,11 @@ mod tests {
         url
     }
 
-    async fn upstream_that_answers_once_per_connection() -> Upstream {
-        Upstream::new(&UpstreamConfig {
-            url: one_answer_per_connection().await,
+    async fn upstream_that_answers_once_per_connection() -> Client {
+        Client::new(&UpstreamConfig {
+            url: one_answer_per_connection().await.parse().expect("a URL"),
             ..UpstreamConfig::default()
         })
-        .expect("upstream")
-    }
-
-    #[test]
-    fn headers_named_in_connection_are_not_forwarded() {
-        let mut headers = http::HeaderMap::new();
-        headers.insert("connection", "X-Secret, keep-alive".parse().expect("value"));
-        headers.append("connection", "x-other".parse().expect("value"));
-        headers.insert("x-secret", "1".parse().expect("value"));
-        headers.insert("x-other", "1".parse().expect("value"));
-        headers.insert("te", "trailers".parse().expect("value"));
-        headers.insert("authorization", "Bearer t".parse().expect("value"));
-        strip_hop_by_hop(&mut headers);
-        let left: Vec<_> = headers.keys().map(http::HeaderName::as_str).collect();
-        assert_eq!(left, ["authorization"]);
     }
 
     #[tokio::test]
@@ -300,7 +249,7 @@ mod tests {
         first.into_body().collect().await.expect("body");
         let second = upstream.send(request()).await;
         assert!(
-            matches!(second, Err(ProxyError::UpstreamUnreachable(_))),
+            matches!(second, Err(UpstreamError::Unreachable(_))),
             "a body that may be gone is never replayed: {second:?}"
         );
     }

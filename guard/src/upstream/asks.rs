@@ -9,7 +9,7 @@ use std::borrow::Cow;
 use crate::jsonscan;
 
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub(super) struct Asks {
+pub struct Asks {
     pub model: Option<String>,
     /// OpenAI `max_tokens`, `max_completion_tokens`, responses' `max_output_tokens`,
     /// llama.cpp `n_predict`, Ollama `options.num_predict`, in that order of preference.

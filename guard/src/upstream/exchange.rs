@@ -32,7 +32,7 @@ use tokio::{
     time::Instant,
 };
 
-use super::upstream::Body;
+use super::Body;
 
 /// Any byte stream to the upstream: TCP in production, an in-memory pipe in unit tests.
 pub trait Io: AsyncRead + AsyncWrite + Send + Unpin + 'static {}

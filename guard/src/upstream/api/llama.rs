@@ -1,0 +1,65 @@
+//! llama-server's own endpoints: `/props`, the timings on a stream's last event, and its
+//! Prometheus `/metrics` (read with a Prometheus text parser).
+
+use serde::Deserialize;
+
+/// `GET /props`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct Props {
+    pub build_info: Option<String>,
+    pub model_path: Option<String>,
+}
+
+/// The timings llama-server adds to an answer's last event.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct Timings {
+    pub predicted_n: Option<u64>,
+}
+
+/// What guard reads of `/metrics`: requests being processed and waiting in its own queue.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct Load {
+    pub processing: f64,
+    pub deferred: f64,
+}
+
+impl Load {
+    /// From the Prometheus text of `/metrics`; absent samples read as 0.
+    pub fn parse(text: &str) -> Option<Self> {
+        let (_, families) = nom_openmetrics::parser::prometheus(text).ok()?;
+        let value = |name: &str| {
+            families
+                .iter()
+                .flat_map(|family| family.samples.iter())
+                .find(|sample| sample.name() == name)
+                .map_or(0.0, |sample| sample.number())
+        };
+        Some(Self {
+            processing: value("llamacpp:requests_processing"),
+            deferred: value("llamacpp:requests_deferred"),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn busy_and_deferred_from_metrics() {
+        let text = "# HELP llamacpp:requests_processing Number of requests processing.\n\
+                    # TYPE llamacpp:requests_processing gauge\n\
+                    llamacpp:requests_processing 1\n\
+                    # TYPE llamacpp:requests_deferred gauge\n\
+                    llamacpp:requests_deferred 3\n";
+        assert_eq!(
+            Load::parse(text),
+            Some(Load {
+                processing: 1.0,
+                deferred: 3.0
+            })
+        );
+    }
+}

@@ -1,0 +1,41 @@
+//! Talking to inference servers: the pooled HTTP client (pass-through requests, the watchers'
+//! polls), one exchange per queued request, and what guard reads of each server's API —
+//! request fields, stream frames, status endpoints — in typed form, in one place.
+
+pub mod api;
+pub mod asks;
+mod client;
+pub mod exchange;
+pub mod frames;
+mod headers;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full, combinators::BoxBody};
+
+pub use client::{Client, UpstreamError};
+pub use headers::strip_hop_by_hop;
+
+/// The error of any body guard relays.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Any request or response body guard relays.
+pub type Body = BoxBody<Bytes, BoxError>;
+
+/// A complete body from bytes.
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+/// An error and its causes on one line: hyper's top-level messages alone say little.
+pub fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
