@@ -3,10 +3,7 @@
 use std::{
     net::SocketAddr,
     path::PathBuf,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -75,14 +72,8 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
     let tracker = ebpf.tracker.clone();
     let ebpf = Arc::new(Mutex::new(ebpf));
     let connections = Arc::new(Registry::default());
-    let half_close = Arc::new(AtomicBool::new(config.server.half_close_means_gone));
     if let Some(events) = events {
-        tokio::spawn(reaper::run(
-            events,
-            Arc::clone(&connections),
-            listen_port,
-            Arc::clone(&half_close),
-        ));
+        tokio::spawn(reaper::run(events, Arc::clone(&connections), listen_port));
     }
 
     let scheduler = Scheduler::new(&config, metrics.clone());
@@ -95,7 +86,6 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
             scheduler: Arc::clone(&scheduler),
             connections,
             tracker,
-            half_close_means_gone: Arc::clone(&half_close),
             watched: Arc::clone(&watched),
             ttft: Arc::clone(&ttft),
         },
@@ -157,7 +147,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
             _ = terminate.recv() => { tracing::info!("SIGTERM"); break; }
             _ = interrupt.recv() => { tracing::info!("SIGINT"); break; }
             _ = hangup.recv() => {
-                config = reload(config, config_path.as_deref(), &proxy, &metrics, &half_close);
+                config = reload(config, config_path.as_deref(), &proxy, &metrics);
                 configs.send_replace(config.clone());
             }
         }
@@ -247,7 +237,6 @@ fn reload(
     path: Option<&std::path::Path>,
     proxy: &Proxy,
     metrics: &Metrics,
-    half_close: &AtomicBool,
 ) -> Config {
     let Some(path) = path else {
         tracing::warn!("SIGHUP: guard runs on built-in defaults; there is no file to reload");
@@ -285,7 +274,6 @@ fn reload(
                 }
             }
             proxy.reload(&next);
-            half_close.store(next.server.half_close_means_gone, Ordering::Relaxed);
             metrics
                 .config_reloads_total
                 .with_label_values(&["applied"])

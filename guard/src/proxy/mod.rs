@@ -13,10 +13,7 @@ mod serve;
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
-    sync::{
-        Arc, RwLock,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, RwLock},
     time::Duration,
 };
 
@@ -77,7 +74,6 @@ pub struct Proxy {
     settings: RwLock<Arc<Settings>>,
     header_read_timeout: Duration,
     listen: SocketAddr,
-    half_close_means_gone: Arc<AtomicBool>,
     remote_models: Arc<Watched>,
     budget: Arc<budget::BodyBudget>,
     /// Pass-through requests in flight now.
@@ -92,7 +88,6 @@ pub struct Parts {
     pub scheduler: Arc<Scheduler>,
     pub connections: Arc<Registry>,
     pub tracker: Option<Arc<EbpfTracker>>,
-    pub half_close_means_gone: Arc<AtomicBool>,
     pub watched: Arc<Watched>,
     /// Where first-byte times go for the risk detector.
     pub ttft: Arc<crate::throttle::ttft::TtftWindow>,
@@ -114,6 +109,9 @@ impl Proxy {
         for class in config.class.keys() {
             outcome::init_class(&parts.metrics, class);
         }
+        parts
+            .connections
+            .set_half_close_means_gone(config.server.half_close_means_gone);
         Ok(Self {
             upstream: Client::new(&config.upstream),
             connector: Connector::new(dial),
@@ -124,7 +122,6 @@ impl Proxy {
             settings: RwLock::new(Arc::new(Settings::from(config))),
             header_read_timeout: config.header_read_timeout(),
             listen: config.server.listen,
-            half_close_means_gone: parts.half_close_means_gone,
             remote_models: parts.watched,
             budget: budget::BodyBudget::new(
                 config.server.max_body_bytes_in_flight,
@@ -146,6 +143,8 @@ impl Proxy {
         self.scheduler.reconfigure(config);
         self.budget.set_cap(config.server.max_body_bytes_in_flight);
         self.remote_models.set_named_models(config);
+        self.connections
+            .set_half_close_means_gone(config.server.half_close_means_gone);
         *self
             .settings
             .write()
@@ -162,7 +161,7 @@ impl Proxy {
     }
 
     fn half_close_means_gone(&self) -> bool {
-        self.half_close_means_gone.load(Ordering::Relaxed)
+        self.connections.half_close_means_gone()
     }
 
     /// Handles one request on `connection`: generation work waits in its class's queue,

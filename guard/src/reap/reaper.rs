@@ -1,10 +1,7 @@
 //! The reaper: turns the kernel's "this client's socket closed" into "drop that connection's
 //! requests", through the connection registry.
 
-use std::sync::{
-    Arc,
-    atomic::{AtomicBool, Ordering},
-};
+use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
@@ -18,15 +15,13 @@ pub async fn run(
     mut events: mpsc::Receiver<ConnEvent>,
     registry: Arc<Registry>,
     listen_port: u16,
-    half_close_means_gone: Arc<AtomicBool>,
 ) {
     let mut batch = Vec::with_capacity(BATCH);
     // Mark every departed client of a burst before any of their tasks runs again, so that a
     // permit freed by one is not handed to another that has also left.
     while events.recv_many(&mut batch, BATCH).await > 0 {
-        let half_close = half_close_means_gone.load(Ordering::Relaxed);
         for event in batch.drain(..) {
-            if let Some(connection) = registry.apply(&event, listen_port, half_close) {
+            if let Some(connection) = registry.apply(&event, listen_port) {
                 tracing::trace!(peer = %connection.peer, state = ?event.new, "client left");
             }
         }

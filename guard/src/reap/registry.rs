@@ -79,6 +79,9 @@ impl Connection {
 #[derive(Default)]
 pub struct Registry {
     by_peer: Mutex<HashMap<SocketAddr, Arc<Connection>>>,
+    /// Whether a client's FIN alone (a half-close) means it has gone; from the config, which a
+    /// reload may change.
+    half_close_means_gone: std::sync::atomic::AtomicBool,
 }
 
 impl Registry {
@@ -112,18 +115,25 @@ impl Registry {
         }
     }
 
+    /// A (re)loaded config's `server.half_close_means_gone`.
+    pub fn set_half_close_means_gone(&self, gone: bool) {
+        self.half_close_means_gone
+            .store(gone, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether a client's FIN alone means it has gone.
+    pub fn half_close_means_gone(&self) -> bool {
+        self.half_close_means_gone
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Applies a kernel event for a connection to `listen_port`; returns the connection it
-    /// marked gone, if any. With `half_close_means_gone` false only a reset counts.
-    pub fn apply(
-        &self,
-        event: &ConnEvent,
-        listen_port: u16,
-        half_close_means_gone: bool,
-    ) -> Option<Arc<Connection>> {
+    /// marked gone, if any. Unless a half-close means gone, only a reset counts.
+    pub fn apply(&self, event: &ConnEvent, listen_port: u16) -> Option<Arc<Connection>> {
         if !event.is_client_gone(listen_port) {
             return None;
         }
-        if event.new == TcpState::CloseWait && !half_close_means_gone {
+        if event.new == TcpState::CloseWait && !self.half_close_means_gone() {
             return None;
         }
         let connection = self.lock().get(&event.remote).cloned()?;
@@ -171,38 +181,44 @@ mod tests {
         }
     }
 
+    fn registry(half_close_means_gone: bool) -> Registry {
+        let registry = Registry::default();
+        registry.set_half_close_means_gone(half_close_means_gone);
+        registry
+    }
+
     #[test]
     fn a_close_marks_its_connection_gone() {
-        let registry = Registry::default();
+        let registry = registry(true);
         let peer: SocketAddr = "127.0.0.1:5000".parse().expect("addr");
         let connection = registry.register(peer);
         let later = connection.accepted_at + Duration::from_millis(1);
         assert!(
             registry
-                .apply(&event(peer, later, TcpState::CloseWait), 81, true)
+                .apply(&event(peer, later, TcpState::CloseWait), 81)
                 .is_none(),
             "other port"
         );
         let other: SocketAddr = "127.0.0.1:5001".parse().expect("addr");
         assert!(
             registry
-                .apply(&event(other, later, TcpState::CloseWait), 80, true)
+                .apply(&event(other, later, TcpState::CloseWait), 80)
                 .is_none()
         );
-        let gone = registry.apply(&event(peer, later, TcpState::CloseWait), 80, true);
+        let gone = registry.apply(&event(peer, later, TcpState::CloseWait), 80);
         assert!(gone.is_some_and(|c| Arc::ptr_eq(&c, &connection)));
         assert_eq!(connection.gone_at(), Some(later));
     }
 
     #[test]
     fn an_old_event_on_a_reused_4_tuple_is_ignored() {
-        let registry = Registry::default();
+        let registry = registry(true);
         let peer: SocketAddr = "127.0.0.1:5000".parse().expect("addr");
         let connection = registry.register(peer);
         let before = connection.accepted_at - Duration::from_millis(1);
         assert!(
             registry
-                .apply(&event(peer, before, TcpState::Close), 80, true)
+                .apply(&event(peer, before, TcpState::Close), 80)
                 .is_none()
         );
         assert_eq!(connection.gone_at(), None);
@@ -210,18 +226,18 @@ mod tests {
 
     #[test]
     fn half_close_counts_only_when_configured() {
-        let registry = Registry::default();
+        let registry = registry(false);
         let peer: SocketAddr = "127.0.0.1:5000".parse().expect("addr");
         let connection = registry.register(peer);
         let later = connection.accepted_at + Duration::from_millis(1);
         assert!(
             registry
-                .apply(&event(peer, later, TcpState::CloseWait), 80, false)
+                .apply(&event(peer, later, TcpState::CloseWait), 80)
                 .is_none()
         );
         assert!(
             registry
-                .apply(&event(peer, later, TcpState::Close), 80, false)
+                .apply(&event(peer, later, TcpState::Close), 80)
                 .is_some(),
             "a reset still counts"
         );

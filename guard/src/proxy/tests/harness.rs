@@ -372,7 +372,6 @@ impl Harness {
             scheduler: Arc::clone(&scheduler),
             connections: Arc::new(Registry::default()),
             tracker: None,
-            half_close_means_gone: Arc::new(true.into()),
             watched: Arc::new(Watched::default()),
             ttft: Arc::default(),
         };
