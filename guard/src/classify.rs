@@ -21,8 +21,28 @@ pub struct RequestFacts<'a> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Decision {
     pub class: String,
-    /// "header", "rule N" (1-based, in file order) or "default".
-    pub by: String,
+    pub by: DecidedBy,
+}
+
+/// What chose a request's class.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecidedBy {
+    /// The class header named it.
+    Header,
+    /// `[[classify.rule]]` number N (1-based, in file order) matched.
+    Rule(usize),
+    /// Nothing matched.
+    Default,
+}
+
+impl std::fmt::Display for DecidedBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Header => f.write_str("header"),
+            Self::Rule(n) => write!(f, "rule {n}"),
+            Self::Default => f.write_str("default"),
+        }
+    }
 }
 
 /// The header named a class guard does not have.
@@ -95,7 +115,7 @@ impl Classifier {
             if self.known.contains(&given) {
                 return Ok(Decision {
                     class: given,
-                    by: "header".to_owned(),
+                    by: DecidedBy::Header,
                 });
             }
             return Err(UnknownClass {
@@ -109,13 +129,13 @@ impl Classifier {
             if rule.matches(facts, &mut cgroup) {
                 return Ok(Decision {
                     class: rule.class.clone(),
-                    by: format!("rule {}", index + 1),
+                    by: DecidedBy::Rule(index + 1),
                 });
             }
         }
         Ok(Decision {
             class: self.default.clone(),
-            by: "default".to_owned(),
+            by: DecidedBy::Default,
         })
     }
 }
@@ -213,8 +233,8 @@ mod tests {
             .classify(&facts("/v1/x", &headers, None, NO_CGROUP))
             .expect("ok");
         assert_eq!(
-            (decision.class.as_str(), decision.by.as_str()),
-            ("interactive", "header")
+            (decision.class.as_str(), decision.by),
+            ("interactive", DecidedBy::Header)
         );
         headers.insert("x-guard-class", "vip".parse().expect("value"));
         let err = c
@@ -234,9 +254,12 @@ mod tests {
             c.classify(&facts(path, &headers, model, NO_CGROUP))
                 .expect("ok")
         };
-        assert_eq!(decide("/api/chat", Some("chat-small")).by, "rule 1");
+        assert_eq!(
+            decide("/api/chat", Some("chat-small")).by,
+            DecidedBy::Rule(1)
+        );
         assert_eq!(decide("/api/generate", Some("chat-small")).class, "batch");
-        assert_eq!(decide("/api/generate", None).by, "default");
+        assert_eq!(decide("/api/generate", None).by, DecidedBy::Default);
     }
 
     #[test]
@@ -252,7 +275,7 @@ mod tests {
             c.classify(&facts("/", &headers, None, NO_CGROUP))
                 .expect("ok")
                 .by,
-            "rule 1"
+            DecidedBy::Rule(1)
         );
         let mut headers = HeaderMap::new();
         headers.insert(header::USER_AGENT, "extractor/2.1".parse().expect("v"));
@@ -260,14 +283,14 @@ mod tests {
             c.classify(&facts("/", &headers, None, NO_CGROUP))
                 .expect("ok")
                 .by,
-            "rule 2"
+            DecidedBy::Rule(2)
         );
         let headers = HeaderMap::new();
         assert_eq!(
             c.classify(&facts("/", &headers, None, NO_CGROUP))
                 .expect("ok")
                 .by,
-            "rule 3"
+            DecidedBy::Rule(3)
         );
     }
 
@@ -287,7 +310,7 @@ mod tests {
             c.classify(&facts("/", &headers, None, &in_batch))
                 .expect("ok")
                 .by,
-            "rule 2"
+            DecidedBy::Rule(2)
         );
         assert_eq!(lookups.load(std::sync::atomic::Ordering::Relaxed), 1);
         let elsewhere = || Some("/guard/batchy".to_owned());
@@ -295,7 +318,7 @@ mod tests {
             c.classify(&facts("/", &headers, None, &elsewhere))
                 .expect("ok")
                 .by,
-            "default"
+            DecidedBy::Default
         );
     }
 }

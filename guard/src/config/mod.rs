@@ -454,9 +454,9 @@ impl Config {
             let message = err.inner().message().to_owned();
             ConfigError::invalid(file, text, &key, span, message)
         })?;
-        config
-            .validate()
-            .map_err(|(key, message)| ConfigError::invalid(file, text, &key, None, message))?;
+        config.validate().map_err(|invalid| {
+            ConfigError::invalid(file, text, &invalid.key, None, invalid.message)
+        })?;
         Ok(config)
     }
 

@@ -16,7 +16,20 @@ pub const MAX_BODY_BYTES: u64 = 1 << 30;
 pub const MAX_CONNECTIONS: u64 = 1_000_000;
 
 /// An offending key and why.
-type Invalid = (String, String);
+#[derive(Debug)]
+pub(super) struct Invalid {
+    pub key: String,
+    pub message: String,
+}
+
+impl Invalid {
+    fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+}
 
 /// One integer key and the range it must lie in.
 struct Range {
@@ -40,7 +53,7 @@ impl Range {
         if (self.min..=self.max).contains(&self.value) {
             return Ok(());
         }
-        Err((
+        Err(Invalid::new(
             self.key,
             format!(
                 "{} is out of range: use {} to {}",
@@ -53,7 +66,7 @@ impl Range {
 impl Config {
     /// Checks what the types alone cannot; returns the offending key and why.
     pub(super) fn validate(&self) -> Result<(), Invalid> {
-        let fail = |key: &str, message: String| Err((key.to_owned(), message));
+        let fail = |key: &str, message: String| Err(Invalid::new(key, message));
         if self.server.listen == self.metrics.listen {
             return fail(
                 "metrics.listen",
@@ -157,9 +170,9 @@ impl Config {
         for (index, path) in self.server.queued_paths.iter().enumerate() {
             let key = format!("server.queued_paths[{index}]");
             if !path.starts_with('/') {
-                return Err((key, format!("`{path}` must start with /")));
+                return Err(Invalid::new(key, format!("`{path}` must start with /")));
             }
-            crate::route::normalize(path).map_err(|err| (key, err.to_string()))?;
+            crate::route::normalize(path).map_err(|err| Invalid::new(key, err.to_string()))?;
         }
         Ok(())
     }
@@ -172,31 +185,25 @@ impl Config {
         ] {
             // NaN fails both comparisons.
             if !(value > 0.0 && value <= 1.0) {
-                return Err((key.to_owned(), format!("{value} is not in (0, 1]")));
+                return Err(Invalid::new(key, format!("{value} is not in (0, 1]")));
             }
         }
         let rate = self.risk.swap_in_pages_per_second;
         if !(rate.is_finite() && rate >= 0.0) {
-            return Err((
-                "risk.swap_in_pages_per_second".to_owned(),
+            return Err(Invalid::new(
+                "risk.swap_in_pages_per_second",
                 format!("{rate} is not a rate: use 0 or more"),
             ));
         }
         if !self.risk.state_dir.is_absolute() {
-            return Err((
-                "risk.state_dir".to_owned(),
-                "must be an absolute path".to_owned(),
-            ));
+            return Err(Invalid::new("risk.state_dir", "must be an absolute path"));
         }
         Ok(())
     }
 
     fn check_classes(&self) -> Result<(), Invalid> {
         if self.class.is_empty() {
-            return Err((
-                "class".to_owned(),
-                "at least one class is needed".to_owned(),
-            ));
+            return Err(Invalid::new("class", "at least one class is needed"));
         }
         for (name, class) in &self.class {
             let key = |field: &str| format!("class.{name}.{field}");
@@ -204,9 +211,9 @@ impl Config {
                 .chars()
                 .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
             if !valid_name || name.is_empty() || name.len() > 64 {
-                return Err((
+                return Err(Invalid::new(
                     format!("class.{name}"),
-                    "class names use 1 to 64 of a-z, 0-9, '_' and '-'".to_owned(),
+                    "class names use 1 to 64 of a-z, 0-9, '_' and '-'",
                 ));
             }
             let mut ranges = vec![
@@ -234,15 +241,15 @@ impl Config {
             if let Some(cgroup) = &class.cgroup
                 && !cgroup.is_absolute()
             {
-                return Err((
+                return Err(Invalid::new(
                     key("cgroup"),
                     format!("{} is not an absolute path", cgroup.display()),
                 ));
             }
             if class.throttle.is_some() && class.cgroup.is_none() {
-                return Err((
+                return Err(Invalid::new(
                     key("throttle"),
-                    "throttle needs class.NAME.cgroup".to_owned(),
+                    "throttle needs class.NAME.cgroup",
                 ));
             }
         }
@@ -252,8 +259,8 @@ impl Config {
     fn check_rules(&self) -> Result<(), Invalid> {
         let known = self.class_names();
         if !self.class.contains_key(&self.classify.default) {
-            return Err((
-                "classify.default".to_owned(),
+            return Err(Invalid::new(
+                "classify.default",
                 format!(
                     "unknown class `{}`: known are {known}",
                     self.classify.default
@@ -263,14 +270,13 @@ impl Config {
         for (index, rule) in self.classify.rule.iter().enumerate() {
             let key = |field: &str| format!("classify.rule[{index}].{field}");
             if !self.class.contains_key(&rule.class) {
-                return Err((
+                return Err(Invalid::new(
                     key("class"),
                     format!("unknown class `{}`: known are {known}", rule.class),
                 ));
             }
-            if let Err((field, message)) = rule.check() {
-                return Err((key(field), message));
-            }
+            rule.check()
+                .map_err(|field| Invalid::new(key(&field.key), field.message))?;
         }
         Ok(())
     }
@@ -278,7 +284,7 @@ impl Config {
 
 impl RuleConfig {
     /// Checks that the rule matches on something and that its patterns compile.
-    fn check(&self) -> Result<(), (&'static str, String)> {
+    fn check(&self) -> Result<(), Invalid> {
         let matchers = [
             &self.path_prefix,
             &self.model,
@@ -288,19 +294,18 @@ impl RuleConfig {
             &self.cgroup_prefix,
         ];
         if matchers.iter().all(|m| m.is_none()) {
-            return Err((
+            return Err(Invalid::new(
                 "class",
-                "a rule needs one of path_prefix, model, bearer, user_agent, source, cgroup_prefix"
-                    .to_owned(),
+                "a rule needs one of path_prefix, model, bearer, user_agent, source, cgroup_prefix",
             ));
         }
         for (field, glob) in [("model", &self.model), ("user_agent", &self.user_agent)] {
             if let Some(glob) = glob {
-                globset::Glob::new(glob).map_err(|err| (field, err.to_string()))?;
+                globset::Glob::new(glob).map_err(|err| Invalid::new(field, err.to_string()))?;
             }
         }
         if let Some(source) = &self.source {
-            parse_cidr(source).map_err(|err| ("source", err))?;
+            parse_cidr(source).map_err(|err| Invalid::new("source", err))?;
         }
         Ok(())
     }

@@ -192,7 +192,7 @@ impl QueuedRequest {
             source: peer.ip(),
             cgroup: &lookup,
         })?;
-        tracing::trace!(class = decision.class, by = decision.by, "classified");
+        tracing::trace!(class = decision.class, by = %decision.by, "classified");
         Ok(decision.class)
     }
 
