@@ -122,7 +122,7 @@ async fn a_baseline_against_llama_server_records_every_field() {
     );
     assert_eq!(
         entry.retest_date,
-        guard::logbook::date_after(std::time::SystemTime::now(), 30)
+        guard::logbook::date_after(jiff::Timestamp::now(), 30)
     );
     let line = std::fs::read_to_string(&logbook).expect("logbook");
     for field in [
@@ -202,14 +202,14 @@ fn fixture(
     };
     Entry {
         id: id.to_owned(),
-        recorded_at: "2026-11-01T10:00:00Z".to_owned(),
+        recorded_at: "2026-11-01T10:00:00Z".parse().expect("timestamp"),
         command: "guard bench ...".to_owned(),
         model: "smollm2".to_owned(),
         model_digest: "sha256:aa".to_owned(),
         runtime: "llama.cpp".to_owned(),
         runtime_version: "b1".to_owned(),
         launch_flags: "llama-server -np 1".to_owned(),
-        api: "openai".to_owned(),
+        api: guard::config::Api::Openai,
         url: "http://127.0.0.1:11435".to_owned(),
         workload_class: "batch".to_owned(),
         input_set: InputSet {
@@ -233,7 +233,7 @@ fn fixture(
         ttft_samples_ms: vec![ttft_p50 * 0.8, ttft_p50, ttft_p50 * 1.5],
         decision: "baseline".to_owned(),
         owner: "ada".to_owned(),
-        retest_date: retest.to_owned(),
+        retest_date: retest.parse().expect("date"),
     }
 }
 

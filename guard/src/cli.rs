@@ -109,8 +109,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub owner: String,
     /// Days until this baseline should be measured again.
-    #[arg(long, default_value_t = 30)]
-    pub retest_days: u64,
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u16).range(0..=3_660))]
+    pub retest_days: u16,
     #[arg(long, default_value = crate::logbook::DEFAULT_PATH)]
     pub logbook: PathBuf,
 }

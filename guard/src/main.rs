@@ -127,7 +127,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
     logbook::append(&args.logbook, &entry).context("recording the run")?;
     println!(
         "{}",
-        logbook::list(std::slice::from_ref(&entry), &logbook::today())
+        logbook::list(std::slice::from_ref(&entry), logbook::today())
     );
     println!("recorded as {} in {}", entry.id, args.logbook.display());
     Ok(ExitCode::SUCCESS)
@@ -137,13 +137,10 @@ fn logbook_command(path: &std::path::Path, command: LogbookCommand) -> anyhow::R
     let entries = logbook::read(path)?;
     let today = logbook::today();
     match command {
-        LogbookCommand::List => print!("{}", logbook::list(&entries, &today)),
+        LogbookCommand::List => print!("{}", logbook::list(&entries, today)),
         LogbookCommand::Due => {
-            let due: Vec<_> = logbook::due(&entries, &today)
-                .into_iter()
-                .cloned()
-                .collect();
-            print!("{}", logbook::list(&due, &today));
+            let due: Vec<_> = logbook::due(&entries, today).into_iter().cloned().collect();
+            print!("{}", logbook::list(&due, today));
             if !due.is_empty() {
                 return Ok(ExitCode::FAILURE);
             }

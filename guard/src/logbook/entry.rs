@@ -66,7 +66,7 @@ pub struct InputSet {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Entry {
     pub id: String,
-    pub recorded_at: String,
+    pub recorded_at: jiff::Timestamp,
     /// The exact command line that produced this entry.
     pub command: String,
     pub model: String,
@@ -74,7 +74,7 @@ pub struct Entry {
     pub runtime: String,
     pub runtime_version: String,
     pub launch_flags: String,
-    pub api: String,
+    pub api: crate::config::Api,
     pub url: String,
     pub workload_class: String,
     pub input_set: InputSet,
@@ -97,11 +97,11 @@ pub struct Entry {
     pub ttft_samples_ms: Vec<f64>,
     pub decision: String,
     pub owner: String,
-    pub retest_date: String,
+    pub retest_date: jiff::civil::Date,
 }
 
 impl Entry {
-    pub fn is_due(&self, today: &str) -> bool {
-        self.retest_date.as_str() <= today
+    pub fn is_due(&self, today: jiff::civil::Date) -> bool {
+        self.retest_date <= today
     }
 }

@@ -99,7 +99,7 @@ pub fn find<'a>(entries: &'a [Entry], id: &str) -> Result<&'a Entry, LogbookErro
 }
 
 /// `guard logbook list`: one line per entry, due retests marked.
-pub fn list(entries: &[Entry], today: &str) -> String {
+pub fn list(entries: &[Entry], today: jiff::civil::Date) -> String {
     let mut out = format!(
         "{:<10} {:<20} {:<22} {:<12} {:>9} {:>9} {:<10} {:<12} {}\n",
         "id", "recorded", "model", "runtime", "ttft p95", "done p95", "owner", "retest", "decision"
@@ -109,7 +109,7 @@ pub fn list(entries: &[Entry], today: &str) -> String {
         out.push_str(&format!(
             "{:<10} {:<20} {:<22} {:<12} {:>7.0}ms {:>7.0}ms {:<10} {:<12} {}{due}\n",
             &e.id[..e.id.len().min(8)],
-            &e.recorded_at[..e.recorded_at.len().min(19)],
+            e.recorded_at.strftime("%Y-%m-%dT%H:%M:%S").to_string(),
             truncate(&e.model, 22),
             truncate(&e.runtime, 12),
             e.ttft_ms.p95,
@@ -123,7 +123,7 @@ pub fn list(entries: &[Entry], today: &str) -> String {
 }
 
 /// Entries whose retest date is today or earlier.
-pub fn due<'a>(entries: &'a [Entry], today: &str) -> Vec<&'a Entry> {
+pub fn due(entries: &[Entry], today: jiff::civil::Date) -> Vec<&Entry> {
     entries.iter().filter(|e| e.is_due(today)).collect()
 }
 
@@ -131,13 +131,15 @@ fn truncate(text: &str, width: usize) -> String {
     text.chars().take(width).collect()
 }
 
-/// Today as YYYY-MM-DD (UTC).
-pub fn today() -> String {
-    date_after(std::time::SystemTime::now(), 0)
+/// Today (UTC).
+pub fn today() -> jiff::civil::Date {
+    date_after(jiff::Timestamp::now(), 0)
 }
 
-/// The date `days` after `from`, as YYYY-MM-DD (UTC).
-pub fn date_after(from: std::time::SystemTime, days: u64) -> String {
-    let then = from + std::time::Duration::from_secs(days * 86_400);
-    humantime::format_rfc3339_seconds(then).to_string()[..10].to_owned()
+/// The date `days` after `from` (UTC).
+pub fn date_after(from: jiff::Timestamp, days: u16) -> jiff::civil::Date {
+    use jiff::ToSpan;
+    from.to_zoned(jiff::tz::TimeZone::UTC)
+        .date()
+        .saturating_add(i64::from(days).days())
 }

@@ -7,7 +7,7 @@ use std::{
         Arc,
         atomic::{AtomicBool, AtomicU64, Ordering},
     },
-    time::{Duration, Instant, SystemTime},
+    time::{Duration, Instant},
 };
 
 use bytes::Bytes;
@@ -47,7 +47,7 @@ pub struct Plan {
     pub max_tokens: u32,
     pub decision: String,
     pub owner: String,
-    pub retest_days: u64,
+    pub retest_days: u16,
 }
 
 /// One input of the set.
@@ -427,8 +427,10 @@ pub async fn run(plan: &Plan) -> Result<Entry, LogbookError> {
     }
     progress.finish_and_clear();
     let (peak_rss, peak_gpu, energy, power) = meters.finish();
-    let now = SystemTime::now();
-    let recorded_at = humantime::format_rfc3339_seconds(now).to_string();
+    // Whole seconds: the entry's id and its listing need no more.
+    let now = jiff::Timestamp::from_second(jiff::Timestamp::now().as_second())
+        .unwrap_or_else(|_| jiff::Timestamp::now());
+    let recorded_at = now.to_string();
     let id = format!(
         "{:x}",
         Sha256::digest(format!(
@@ -440,7 +442,7 @@ pub async fn run(plan: &Plan) -> Result<Entry, LogbookError> {
         .to_owned();
     Ok(Entry {
         id,
-        recorded_at,
+        recorded_at: now,
         command: plan.command.clone(),
         model: plan.model.clone(),
         model_digest,
@@ -451,7 +453,7 @@ pub async fn run(plan: &Plan) -> Result<Entry, LogbookError> {
             .or(runtime_version)
             .unwrap_or_else(|| "unknown".to_owned()),
         launch_flags,
-        api: format!("{:?}", plan.api).to_lowercase(),
+        api: plan.api,
         url: plan.url.clone(),
         workload_class: plan.class.clone(),
         input_set: InputSet {
