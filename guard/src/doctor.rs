@@ -64,15 +64,15 @@ pub fn render(checks: &[Check]) -> (String, bool) {
 }
 
 fn cgroups() -> Result<String, String> {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").map_err(|e| e.to_string())?;
-    let v2 = mounts
-        .lines()
-        .find(|l| l.split(' ').nth(2) == Some("cgroup2"))
-        .and_then(|l| l.split(' ').nth(1));
+    let v2 = crate::throttle::cgroup::mounts()
+        .into_iter()
+        .find(|m| m.v1_controllers.is_none())
+        .map(|m| m.root);
     let v1_cpu = Path::new("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").exists();
     let v1_freezer = Path::new("/sys/fs/cgroup/freezer").is_dir();
     let v2_cpu = v2
-        .and_then(|root| std::fs::read_to_string(Path::new(root).join("cgroup.controllers")).ok())
+        .as_ref()
+        .and_then(|root| std::fs::read_to_string(root.join("cgroup.controllers")).ok())
         .is_some_and(|controllers| controllers.split_whitespace().any(|c| c == "cpu"));
     match v2 {
         None if !v1_cpu && !v1_freezer => {
@@ -80,7 +80,8 @@ fn cgroups() -> Result<String, String> {
         }
         _ => Ok(format!(
             "v2 at {} (freeze{}), v1 cpu quota {}, v1 freezer {}",
-            v2.unwrap_or("-"),
+            v2.as_ref()
+                .map_or("-".to_owned(), |root| root.display().to_string()),
             if v2_cpu {
                 ", cpu.max"
             } else {

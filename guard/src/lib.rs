@@ -14,6 +14,7 @@ pub mod listen;
 pub mod logbook;
 pub mod memory;
 pub mod metrics;
+pub mod procs;
 pub mod proxy;
 pub mod quantile;
 pub mod queue;

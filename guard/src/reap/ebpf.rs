@@ -122,7 +122,8 @@ impl EbpfTracker {
         program.load()?;
         program.attach("sock", "inet_sock_set_state")?;
 
-        release_load_memory();
+        // Loading parsed the kernel's BTF (megabytes) on the heap: hand it back.
+        crate::memory::trim();
         let (sender, receiver) = mpsc::channel(CHANNEL_CAPACITY);
         tasks.push(tokio::spawn(read_events(register(ring)?, sender)));
         let tracker = Self {
@@ -230,15 +231,6 @@ async fn forward_logs(logger: aya_log::EbpfLogger<&'static dyn log::Log>) {
     }
 }
 
-/// Loading parses the kernel's BTF (megabytes) on the heap; hand what was freed back to the
-/// system, or it stays in guard's RSS for its whole life.
-fn release_load_memory() {
-    // SAFETY: malloc_trim only returns free heap pages to the kernel; it has no preconditions.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
 /// Registers a map's descriptor with tokio's reactor.
 fn register<T: std::os::fd::AsRawFd>(inner: T) -> std::io::Result<AsyncFd<T>> {
     // SAFETY: `inner` (a ring buffer map or the logger that owns one) owns its descriptor until
@@ -263,12 +255,7 @@ fn check_capabilities() -> Result<(), EbpfError> {
     const CAP_SYS_ADMIN: u32 = 21;
     const CAP_PERFMON: u32 = 38;
     const CAP_BPF: u32 = 39;
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let effective = status
-        .lines()
-        .find_map(|line| line.strip_prefix("CapEff:"))
-        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        .unwrap_or(0);
+    let effective = crate::procs::effective_capabilities()?;
     let has = |cap: u32| effective & (1 << cap) != 0;
     if has(CAP_SYS_ADMIN) || (has(CAP_BPF) && has(CAP_PERFMON)) {
         Ok(())

@@ -30,10 +30,10 @@ pub(super) fn ensure_tracefs() -> Result<&'static Path, nix::Error> {
 
 /// Mounts bpffs at /sys/fs/bpf unless something is mounted there already.
 pub(super) fn ensure_bpffs() -> Result<(), nix::Error> {
-    let mounted = std::fs::read_to_string("/proc/self/mounts")
-        .map(|mounts| mounts.lines().any(|l| l.split(' ').nth(1) == Some(BPFFS)))
-        .unwrap_or(false);
-    if mounted {
+    if crate::procs::mounts()
+        .iter()
+        .any(|m| m.point == Path::new(BPFFS))
+    {
         return Ok(());
     }
     mount(

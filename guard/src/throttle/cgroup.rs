@@ -34,24 +34,20 @@ pub struct Mount {
     pub v1_controllers: Option<Vec<String>>,
 }
 
-/// Reads /proc/self/mounts for cgroup and cgroup2 mounts.
+/// This host's cgroup and cgroup2 mounts.
 pub fn mounts() -> Vec<Mount> {
-    let text = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    text.lines()
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split(' ').collect();
-            let (root, kind, options) = (fields.get(1)?, fields.get(2)?, fields.get(3)?);
-            match *kind {
-                "cgroup2" => Some(Mount {
-                    root: PathBuf::from(root),
-                    v1_controllers: None,
-                }),
-                "cgroup" => Some(Mount {
-                    root: PathBuf::from(root),
-                    v1_controllers: Some(options.split(',').map(str::to_owned).collect()),
-                }),
-                _ => None,
-            }
+    crate::procs::mounts()
+        .into_iter()
+        .filter_map(|mount| match mount.fs_type.as_str() {
+            "cgroup2" => Some(Mount {
+                root: mount.point,
+                v1_controllers: None,
+            }),
+            "cgroup" => Some(Mount {
+                root: mount.point,
+                v1_controllers: Some(mount.options),
+            }),
+            _ => None,
         })
         .collect()
 }

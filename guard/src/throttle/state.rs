@@ -5,7 +5,6 @@
 use std::{
     fs::File,
     io::{Read as _, Seek as _, Write as _},
-    os::fd::AsRawFd as _,
     path::{Path, PathBuf},
 };
 
@@ -63,13 +62,16 @@ impl Record {
             .truncate(false)
             .open(&path)
             .map_err(io)?;
-        // SAFETY: flock on a descriptor we own; LOCK_NB never blocks.
-        let locked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
-        if !locked {
-            return Err(StateError::Locked {
-                cgroup: cgroup.to_owned(),
-                lock: path,
-            });
+        // An exclusive flock(2), held for as long as the file is open.
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(StateError::Locked {
+                    cgroup: cgroup.to_owned(),
+                    lock: path,
+                });
+            }
+            Err(std::fs::TryLockError::Error(source)) => return Err(io(source)),
         }
         let mut record = Self { file, path };
         if let Some(original) = record.saved()? {

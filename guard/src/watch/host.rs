@@ -206,19 +206,10 @@ fn rate(before: i64, after: i64, seconds: f64) -> f64 {
 
 /// The pid of the process listening on TCP `port` on this host.
 pub fn listening_pid(port: u16) -> Option<i32> {
-    let listening = procfs::net::tcp()
-        .into_iter()
-        .flatten()
-        .chain(procfs::net::tcp6().into_iter().flatten())
-        .find(|entry| {
-            entry.state == procfs::net::TcpState::Listen && entry.local_address.port() == port
-        })?;
-    procfs::process::all_processes().ok()?.flatten().find_map(|process| {
-        let holds = process.fd().ok()?.flatten().any(|fd| {
-            matches!(fd.target, procfs::process::FDTarget::Socket(inode) if inode == listening.inode)
-        });
-        holds.then_some(process.pid)
-    })
+    let listening = crate::procs::tcp_sockets().find(|entry| {
+        entry.state == procfs::net::TcpState::Listen && entry.local_address.port() == port
+    })?;
+    crate::procs::socket_holder(listening.inode)
 }
 
 #[cfg(test)]
