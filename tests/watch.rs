@@ -3,7 +3,8 @@
 //! refused with 403 when configured), swap, PSI and the upstream process, no GPU here
 //! (`guard_gpu_available 0`), `guard status` and `guard doctor`, and the Prometheus side: the
 //! alert rules check and pass their unit tests, every metric the dashboard and the rules name
-//! exists in a running guard, and a real Prometheus scrapes it.
+//! exists in a fresh guard (the series a rate() reads at 0 for every class, reason, outcome
+//! and model guard knows), and a real Prometheus scrapes it.
 
 use std::{
     collections::BTreeSet,
@@ -255,13 +256,22 @@ fn named_metrics(text: &str) -> BTreeSet<String> {
     names
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn every_metric_of_the_dashboard_and_rules_exists_in_a_running_guard() {
-    let _serial = serial().await;
-    let (_ollama, guard) = watched_guard("").await;
+/// An emulated Ollama that lists a local and a cloud model, with guard in front of it and no
+/// request made yet: what a dashboard reads in the first minute.
+async fn fresh_guard() -> (OllamaEmulator, GuardProcess) {
+    let ollama = OllamaEmulator::start(&["--models", "smollm2:135m,gpt-oss:20b-cloud"]);
+    let guard = GuardProcess::start(ollama.addr, "ollama", CLASSES);
+    // The watcher has seen both models once the cloud one is flagged.
     guard
         .wait_for_metric("guard_model_remote{model=\"gpt-oss:20b-cloud\"}", 1.0)
         .await;
+    (ollama, guard)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_metric_of_the_dashboard_and_rules_exists_in_a_fresh_guard() {
+    let _serial = serial().await;
+    let (ollama, guard) = fresh_guard().await;
     let dashboard =
         std::fs::read_to_string(deploy().join("grafana/guard-dashboard.json")).expect("dashboard");
     let parsed: serde_json::Value =
@@ -279,16 +289,74 @@ async fn every_metric_of_the_dashboard_and_rules_exists_in_a_running_guard() {
         .filter_map(|l| l.split(' ').next())
         .collect();
     let gpu_available = guard_tests::metric(&text, "guard_gpu_available") == Some(1.0);
+    let ps = get(ollama.addr, "/api/ps").await.expect("/api/ps").json();
+    let none_loaded = ps["models"].as_array().is_some_and(Vec::is_empty);
     let mut missing = Vec::new();
     for name in named_metrics(&dashboard).union(&named_metrics(&rules)) {
         // Per-GPU series exist only where NVML reads a GPU; guard_gpu_available says which.
         let per_gpu = name.starts_with("guard_gpu_") && name != "guard_gpu_available";
-        let may_be_absent = per_gpu && !gpu_available;
+        // A share of a model off the GPU exists only while the model is loaded: 0 would claim
+        // an unloaded model sits wholly in GPU memory.
+        let per_loaded_model = name == "guard_model_cpu_offload_ratio";
+        let may_be_absent = (per_gpu && !gpu_available) || (per_loaded_model && none_loaded);
         if !exported.contains(name.as_str()) && !may_be_absent {
             missing.push(name.clone());
         }
     }
-    assert!(missing.is_empty(), "named but not exported: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "named but not exported: {missing:?}\n{text}"
+    );
+    for series in zero_series() {
+        assert_eq!(
+            guard_tests::metric(&text, &series),
+            Some(0.0),
+            "{series} is not at 0 in a fresh guard:\n{text}"
+        );
+    }
+}
+
+/// Series a rate() or increase() reads, which must exist at 0 before their first event: every
+/// class, reason, outcome and model guard knows.
+fn zero_series() -> Vec<String> {
+    let mut series = Vec::new();
+    for class in ["interactive", "batch"] {
+        for reason in ["queue_full", "deadline_predicted", "body_bytes_full"] {
+            series.push(format!(
+                "guard_rejected_total{{class=\"{class}\",reason=\"{reason}\"}}"
+            ));
+        }
+        for outcome in ["completed", "rejected", "reaped", "timed_out", "failed"] {
+            series.push(format!(
+                "guard_requests_total{{class=\"{class}\",outcome=\"{outcome}\"}}"
+            ));
+        }
+        for stage in ["queued", "running"] {
+            series.push(format!(
+                "guard_reaped_total{{class=\"{class}\",stage=\"{stage}\"}}"
+            ));
+        }
+        series.push(format!("guard_queue_depth{{class=\"{class}\"}}"));
+        series.push(format!("guard_inflight{{class=\"{class}\"}}"));
+        series.push(format!("guard_admitted_total{{class=\"{class}\"}}"));
+        series.push(format!("guard_class_throttled{{class=\"{class}\"}}"));
+        series.push(format!("guard_ttft_seconds_count{{class=\"{class}\"}}"));
+        series.push(format!(
+            "guard_queue_wait_seconds_count{{class=\"{class}\"}}"
+        ));
+    }
+    for model in ["smollm2:135m", "gpt-oss:20b-cloud"] {
+        series.push(format!("guard_model_cold_loads_total{{model=\"{model}\"}}"));
+    }
+    series.push("guard_model_remote{model=\"smollm2:135m\"}".to_owned());
+    for reason in ["wait", "ttft", "swap", "memory_pressure", "gpu_memory"] {
+        series.push(format!("guard_at_risk{{reason=\"{reason}\"}}"));
+    }
+    for result in ["applied", "refused"] {
+        series.push(format!("guard_config_reloads_total{{result=\"{result}\"}}"));
+    }
+    series.push("guard_ebpf_ring_drops_total".to_owned());
+    series
 }
 
 #[tokio::test(flavor = "multi_thread")]

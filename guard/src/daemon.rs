@@ -58,6 +58,9 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
     raise_open_file_limit();
     crate::memory::return_large_blocks_to_the_system();
     let metrics = Metrics::new();
+    for result in [RELOAD_APPLIED, RELOAD_REFUSED] {
+        metrics.config_reloads_total.with_label_values(&[result]);
+    }
 
     // Before anything serves: checks each class cgroup and restores what a crash left.
     let throttler = Arc::new(Mutex::new(Throttler::new(&config, &metrics)?));
@@ -231,6 +234,10 @@ fn cgroups(config: &Config) -> Vec<(&String, Option<&std::path::PathBuf>, Option
         .collect()
 }
 
+/// The `result` label of `guard_config_reloads_total`.
+const RELOAD_APPLIED: &str = "applied";
+const RELOAD_REFUSED: &str = "refused";
+
 /// SIGHUP: re-reads the config file; a bad one is refused and the running one kept.
 fn reload(
     current: Config,
@@ -276,7 +283,7 @@ fn reload(
             proxy.reload(&next);
             metrics
                 .config_reloads_total
-                .with_label_values(&["applied"])
+                .with_label_values(&[RELOAD_APPLIED])
                 .inc();
             tracing::info!(path = %path.display(), classes = %next.class_names(), "config reloaded");
             next
@@ -284,7 +291,7 @@ fn reload(
         Err(err) => {
             metrics
                 .config_reloads_total
-                .with_label_values(&["refused"])
+                .with_label_values(&[RELOAD_REFUSED])
                 .inc();
             tracing::error!("SIGHUP: config refused, the running one stays: {err}");
             current

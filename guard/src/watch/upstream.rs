@@ -7,7 +7,7 @@ use std::{collections::HashMap, sync::RwLock};
 use bytes::Bytes;
 use http::{Method, Request};
 use http_body_util::BodyExt as _;
-use prometheus::{GaugeVec, IntGauge, Opts};
+use prometheus::{GaugeVec, IntCounterVec, IntGauge, Opts};
 use serde::de::DeserializeOwned;
 
 use crate::{
@@ -18,6 +18,9 @@ use crate::{
         api::{self, llama, ollama, openai},
     },
 };
+
+/// At most this many model names may label series: an upstream listing more is not a host.
+const MAX_MODELS: usize = 1_024;
 
 /// Models served from elsewhere, as far as guard has learnt (a privacy boundary).
 #[derive(Default)]
@@ -45,11 +48,15 @@ impl RemoteModels {
             .contains_key(model)
     }
 
+    /// Records what guard learnt of `model`, up to `MAX_MODELS` names.
     fn set(&self, model: &str, remote: bool) {
-        self.0
+        let mut models = self
+            .0
             .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(model.to_owned(), remote);
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if models.len() < MAX_MODELS || models.contains_key(model) {
+            models.insert(model.to_owned(), remote);
+        }
     }
 }
 
@@ -83,6 +90,8 @@ pub struct UpstreamWatcher {
     remote: GaugeVec,
     busy: IntGauge,
     deferred: IntGauge,
+    /// The proxy counts cold loads; the watcher starts each model it sees at 0.
+    cold_loads: IntCounterVec,
 }
 
 impl UpstreamWatcher {
@@ -120,6 +129,7 @@ impl UpstreamWatcher {
                 "guard_upstream_deferred_requests",
                 "Requests waiting in the upstream's own queue (llama-server).",
             ),
+            cold_loads: metrics.model_cold_loads_total.clone(),
         }
     }
 
@@ -150,12 +160,21 @@ impl UpstreamWatcher {
         {
             for tag in &tags.models {
                 self.learn(&tag.name, remote_models).await;
-                self.remote
-                    .with_label_values(&[&tag.name])
-                    .set(f64::from(u8::from(remote_models.is_remote(&tag.name))));
+                self.saw(&tag.name, remote_models);
             }
         }
         serde_json::json!({ "up": true, "loaded_models": loaded })
+    }
+
+    /// A model the upstream lists: once its name may label series, they exist from now on.
+    fn saw(&self, model: &str, remote_models: &RemoteModels) {
+        if !remote_models.known(model) {
+            return;
+        }
+        self.remote
+            .with_label_values(&[model])
+            .set(f64::from(u8::from(remote_models.is_remote(model))));
+        self.cold_loads.with_label_values(&[model]);
     }
 
     /// Asks Ollama once where a model it lists runs.
@@ -183,6 +202,7 @@ impl UpstreamWatcher {
                 if !remote_models.known(&model.id) {
                     remote_models.set(&model.id, false);
                 }
+                self.saw(&model.id, remote_models);
             }
         }
         let load = self
@@ -241,5 +261,16 @@ mod tests {
         assert!(!remote.is_remote("smollm2:135m"));
         remote.set("smollm2:135m", true);
         assert!(remote.is_remote("smollm2:135m"));
+    }
+
+    #[test]
+    fn model_names_are_bounded() {
+        let remote = RemoteModels::default();
+        for n in 0..MAX_MODELS + 10 {
+            remote.set(&format!("m{n}"), false);
+        }
+        assert!(remote.known("m0") && !remote.known(&format!("m{MAX_MODELS}")));
+        remote.set("m0", true);
+        assert!(remote.is_remote("m0"), "a known name is still updated");
     }
 }
