@@ -8,7 +8,7 @@ use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{config::Api, queue::ClassSnapshot, throttle::risk::Signal};
+use crate::{config::Api, queue::ClassSnapshot, throttle::risk::Signal, watch::WatchStatus};
 
 /// What `/status` says.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -23,7 +23,7 @@ pub struct Status {
     pub classes: Vec<ClassSnapshot>,
     pub risk: RiskStatus,
     /// What the watchers last read (host, GPUs, the upstream's own state).
-    pub watch: serde_json::Value,
+    pub watch: WatchStatus,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

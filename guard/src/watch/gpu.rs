@@ -11,7 +11,7 @@ use prometheus::{GaugeVec, IntGauge, Opts};
 use crate::metrics::Metrics;
 
 /// One GPU, as read.
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GpuReading {
     pub index: u32,
     pub name: String,
@@ -43,13 +43,21 @@ impl GpusReading {
             .reduce(f64::max)
     }
 
-    pub fn status(&self) -> serde_json::Value {
-        serde_json::json!({
-            "available": self.unavailable.is_none(),
-            "unavailable_reason": self.unavailable,
-            "gpus": self.gpus,
-        })
+    pub fn status(&self) -> GpuStatus {
+        GpuStatus {
+            available: self.unavailable.is_none(),
+            unavailable_reason: self.unavailable.clone(),
+            gpus: self.gpus.clone(),
+        }
     }
+}
+
+/// The GPUs as /status shows them.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GpuStatus {
+    pub available: bool,
+    pub unavailable_reason: Option<String>,
+    pub gpus: Vec<GpuReading>,
 }
 
 /// The exported GPU metrics.
@@ -290,7 +298,7 @@ mod tests {
         gpu_metrics.apply(&reading);
         assert!(metrics.render().contains("guard_gpu_available 0"));
         assert_eq!(reading.fullest_memory_fraction(), None);
-        assert_eq!(reading.status()["available"], false);
+        assert!(!reading.status().available);
     }
 
     #[test]

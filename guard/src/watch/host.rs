@@ -9,7 +9,7 @@ use prometheus::{Gauge, GaugeVec, IntGauge, Opts};
 use crate::{config::Config, metrics::Metrics};
 
 /// One sample; `None` where the kernel does not offer the reading.
-#[derive(Clone, Debug, Default, serde::Serialize)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct HostReading {
     pub swap_used_bytes: Option<u64>,
     pub swap_total_bytes: Option<u64>,

@@ -24,11 +24,22 @@ pub struct Signals {
     pub gpu_memory_fraction: Option<f64>,
 }
 
+/// What the watchers last read, as /status shows it; a part is absent until its first reading.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct WatchStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<host::HostReading>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<gpu::GpuStatus>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<upstream::UpstreamState>,
+}
+
 /// What the watchers last saw, shared with the risk detector and /status.
 #[derive(Default)]
 pub struct Watched {
     pub signals: Mutex<Signals>,
-    pub status: Mutex<serde_json::Map<String, serde_json::Value>>,
+    status: Mutex<WatchStatus>,
     pub remote_models: upstream::RemoteModels,
     /// Model names the config spells out.
     named_models: Mutex<std::collections::BTreeSet<String>>,
@@ -42,11 +53,13 @@ impl Watched {
             .clone()
     }
 
-    fn set_status(&self, key: &str, value: serde_json::Value) {
-        self.status
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(key.to_owned(), value);
+    fn update_status(&self, update: impl FnOnce(&mut WatchStatus)) {
+        update(
+            &mut self
+                .status
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
     }
 
     /// A model's name as a metric label: the name where the upstream lists the model or the
@@ -73,13 +86,11 @@ impl Watched {
             config.named_models().into_iter().collect();
     }
 
-    pub fn status(&self) -> serde_json::Value {
-        serde_json::Value::Object(
-            self.status
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .clone(),
-        )
+    pub fn status(&self) -> WatchStatus {
+        self.status
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 }
 
@@ -118,13 +129,12 @@ pub fn spawn(config: &Config, metrics: &Metrics, upstream: Client) -> Arc<Watche
                 signals.memory_pressure = host_reading.memory_pressure;
                 signals.gpu_memory_fraction = gpu_reading.fullest_memory_fraction();
             }
-            shared.set_status(
-                "host",
-                serde_json::to_value(&host_reading).unwrap_or_default(),
-            );
-            shared.set_status("gpu", gpu_reading.status());
-            let models = upstream.sample(&shared.remote_models).await;
-            shared.set_status("upstream", models);
+            shared.update_status(|status| {
+                status.gpu = Some(gpu_reading.status());
+                status.host = Some(host_reading);
+            });
+            let state = upstream.sample(&shared.remote_models).await;
+            shared.update_status(|status| status.upstream = Some(state));
         }
     });
     watched

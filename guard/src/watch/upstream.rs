@@ -60,6 +60,26 @@ impl RemoteModels {
     }
 }
 
+/// The upstream's own state as /status shows it: whether it answers, and what its API tells.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct UpstreamState {
+    pub up: bool,
+    /// Ollama: the models it has loaded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loaded_models: Option<Vec<LoadedModel>>,
+    /// llama-server: requests it is processing, and waiting in its own queue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub busy: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deferred: Option<f64>,
+}
+
+impl UpstreamState {
+    fn down() -> Self {
+        Self::default()
+    }
+}
+
 /// A model Ollama has loaded.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LoadedModel {
@@ -134,17 +154,17 @@ impl UpstreamWatcher {
     }
 
     /// One round; returns what /status shows of the upstream.
-    pub async fn sample(&mut self, remote_models: &RemoteModels) -> serde_json::Value {
+    pub async fn sample(&mut self, remote_models: &RemoteModels) -> UpstreamState {
         match self.api {
             Api::Ollama => self.sample_ollama(remote_models).await,
             Api::Openai => self.sample_llama(remote_models).await,
         }
     }
 
-    async fn sample_ollama(&mut self, remote_models: &RemoteModels) -> serde_json::Value {
+    async fn sample_ollama(&mut self, remote_models: &RemoteModels) -> UpstreamState {
         let Some(ps) = self.json::<ollama::Ps>(Method::GET, "/api/ps", None).await else {
             self.up.set(0);
-            return serde_json::json!({ "up": false });
+            return UpstreamState::down();
         };
         self.up.set(1);
         let loaded: Vec<LoadedModel> = ps.models.iter().map(LoadedModel::from).collect();
@@ -163,7 +183,11 @@ impl UpstreamWatcher {
                 self.saw(&tag.name, remote_models);
             }
         }
-        serde_json::json!({ "up": true, "loaded_models": loaded })
+        UpstreamState {
+            up: true,
+            loaded_models: Some(loaded),
+            ..UpstreamState::default()
+        }
     }
 
     /// A model the upstream lists: once its name may label series, they exist from now on.
@@ -192,7 +216,7 @@ impl UpstreamWatcher {
         }
     }
 
-    async fn sample_llama(&mut self, remote_models: &RemoteModels) -> serde_json::Value {
+    async fn sample_llama(&mut self, remote_models: &RemoteModels) -> UpstreamState {
         // The models it serves: only these may name a metric label.
         if let Some(models) = self
             .json::<openai::Models>(Method::GET, "/v1/models", None)
@@ -211,12 +235,17 @@ impl UpstreamWatcher {
             .and_then(|text| llama::Load::parse(&text));
         let Some(load) = load else {
             self.up.set(0);
-            return serde_json::json!({ "up": false });
+            return UpstreamState::down();
         };
         self.up.set(1);
         self.busy.set(load.processing as i64);
         self.deferred.set(load.deferred as i64);
-        serde_json::json!({ "up": true, "busy": load.processing, "deferred": load.deferred })
+        UpstreamState {
+            up: true,
+            busy: Some(load.processing),
+            deferred: Some(load.deferred),
+            ..UpstreamState::default()
+        }
     }
 
     async fn json<T: DeserializeOwned>(
