@@ -58,6 +58,15 @@ pub struct Input {
     pub expect_keys: Option<Vec<String>>,
 }
 
+/// One line of an input set, as written.
+#[derive(serde::Deserialize)]
+struct InputLine {
+    prompt: Option<String>,
+    messages: Option<Vec<serde_json::Value>>,
+    expect: Option<String>,
+    expect_json: Option<Vec<String>>,
+}
+
 /// Reads the input set: JSONL, each line `{"prompt": ...}` or `{"messages": [...]}`, with an
 /// optional `"expect"` (a regular expression the answer must match) and `"expect_json"` (a
 /// list of keys the answer, parsed as JSON, must have).
@@ -79,31 +88,26 @@ pub fn read_inputs(path: &Path) -> Result<(Vec<Input>, String), LogbookError> {
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
     {
-        let value: serde_json::Value =
+        let line: InputLine =
             serde_json::from_str(line).map_err(|e| bad(index + 1, e.to_string()))?;
-        let messages = match (&value["messages"], value["prompt"].as_str()) {
-            (serde_json::Value::Array(_), _) => value["messages"].clone(),
-            (_, Some(prompt)) => serde_json::json!([{ "role": "user", "content": prompt }]),
-            _ => {
+        let messages = match (line.messages, line.prompt) {
+            (Some(messages), _) => serde_json::Value::Array(messages),
+            (None, Some(prompt)) => serde_json::json!([{ "role": "user", "content": prompt }]),
+            (None, None) => {
                 return Err(bad(
                     index + 1,
                     "needs \"prompt\" (a string) or \"messages\" (a list)".to_owned(),
                 ));
             }
         };
-        let expect = value["expect"]
-            .as_str()
-            .map(|p| regex::Regex::new(p).map_err(|e| bad(index + 1, format!("expect: {e}"))))
+        let expect = line
+            .expect
+            .map(|p| regex::Regex::new(&p).map_err(|e| bad(index + 1, format!("expect: {e}"))))
             .transpose()?;
-        let expect_keys = value["expect_json"].as_array().map(|keys| {
-            keys.iter()
-                .filter_map(|k| k.as_str().map(str::to_owned))
-                .collect()
-        });
         inputs.push(Input {
             messages,
             expect,
-            expect_keys,
+            expect_keys: line.expect_json,
         });
     }
     if inputs.is_empty() {
@@ -535,12 +539,13 @@ async fn wait_ready(client: &HttpClient, plan: &Plan) -> Result<(), LogbookError
     ))
 }
 
+/// Posts `body` and waits for the whole answer, which only says the request is done.
 async fn post_json(
     client: &HttpClient,
     plan: &Plan,
     path: &str,
     body: &serde_json::Value,
-) -> Result<serde_json::Value, LogbookError> {
+) -> Result<(), LogbookError> {
     let request = http::Request::post(format!("{}{path}", plan.url.trim_end_matches('/')))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
@@ -549,13 +554,12 @@ async fn post_json(
         .request(request)
         .await
         .map_err(|e| LogbookError::Run(format!("{path}: {e}")))?;
-    let bytes = response
+    response
         .into_body()
         .collect()
         .await
-        .map_err(|e| LogbookError::Run(e.to_string()))?
-        .to_bytes();
-    Ok(serde_json::from_slice(&bytes).unwrap_or_default())
+        .map_err(|e| LogbookError::Run(e.to_string()))?;
+    Ok(())
 }
 
 async fn get_json<T: serde::de::DeserializeOwned>(
