@@ -176,13 +176,20 @@ mod tests {
         let mut seen = Vec::new();
         let mut buffer = [0u8; 1024];
         loop {
-            if let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
-                let head = String::from_utf8_lossy(&seen[..end]).to_lowercase();
-                let length: usize = head
-                    .lines()
-                    .find_map(|line| line.strip_prefix("content-length:"))
-                    .map_or(0, |value| value.trim().parse().expect("length"));
-                if seen.len() >= end + 4 + length {
+            let mut headers = [httparse::EMPTY_HEADER; 32];
+            let mut request = httparse::Request::new(&mut headers);
+            if let Ok(httparse::Status::Complete(end)) = request.parse(&seen) {
+                let length: usize = request
+                    .headers
+                    .iter()
+                    .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+                    .map_or(0, |h| {
+                        String::from_utf8_lossy(h.value)
+                            .trim()
+                            .parse()
+                            .expect("length")
+                    });
+                if seen.len() >= end + length {
                     return true;
                 }
             }
