@@ -352,7 +352,7 @@ fn zero_series() -> Vec<String> {
     for reason in ["wait", "ttft", "swap", "memory_pressure", "gpu_memory"] {
         series.push(format!("guard_at_risk{{reason=\"{reason}\"}}"));
     }
-    for result in ["applied", "refused"] {
+    for result in ["ok", "refused"] {
         series.push(format!("guard_config_reloads_total{{result=\"{result}\"}}"));
     }
     series.push("guard_ebpf_ring_drops_total".to_owned());

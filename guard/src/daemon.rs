@@ -235,7 +235,7 @@ fn cgroups(config: &Config) -> Vec<(&String, Option<&std::path::PathBuf>, Option
 }
 
 /// The `result` label of `guard_config_reloads_total`.
-const RELOAD_APPLIED: &str = "applied";
+const RELOAD_APPLIED: &str = "ok";
 const RELOAD_REFUSED: &str = "refused";
 
 /// SIGHUP: re-reads the config file; a bad one is refused and the running one kept.
