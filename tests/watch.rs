@@ -17,7 +17,7 @@ use guard_tests::{
     ChildGuard, TempDir, free_addr, guard_bin,
     http::{get, post},
     serial,
-    servers::{GuardProcess, OllamaEmulator},
+    servers::{GuardProcess, LlamaServer, OllamaEmulator},
 };
 use serde_json::json;
 
@@ -207,6 +207,47 @@ async fn status_and_doctor_read_like_tables() {
         "guard itself holds the port: {listen}"
     );
     assert!(!doctor.status.success(), "a missing item fails doctor");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn status_sets_concurrency_beside_the_llama_server_slots() {
+    let _serial = serial().await;
+    let llama = LlamaServer::start(1).await;
+    let extra = format!("{CLASSES}[upstream]\nmax_concurrency = 2\n");
+    let guard = GuardProcess::start(llama.addr, "openai", &extra);
+    let started = Instant::now();
+    let slots = loop {
+        let status = get(guard.metrics, "/status").await.expect("status").json();
+        if let Some(slots) = status["watch"]["upstream"]["slots"].as_u64() {
+            break slots;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "{status}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(slots, 1, "llama-server's /slots, read by the watcher");
+    let output = Command::new(guard_bin())
+        .args(["status", "--url", &format!("http://{}", guard.metrics)])
+        .output()
+        .expect("guard status");
+    let table = String::from_utf8_lossy(&output.stdout);
+    let line = table
+        .lines()
+        .find(|l| l.starts_with("concurrency"))
+        .unwrap_or_default();
+    assert!(
+        line.contains("2 (the upstream has 1 slots: lower upstream.max_concurrency to 1)"),
+        "{table}"
+    );
+    let models = get(llama.addr, "/v1/models").await.expect("models").json();
+    let id = models["data"][0]["id"].as_str().expect("a model id");
+    let text = guard.metrics_text().await;
+    for series in ["guard_model_remote", "guard_model_cold_loads_total"] {
+        assert_eq!(
+            guard_tests::metric(&text, &format!("{series}{{model=\"{id}\"}}")),
+            Some(0.0),
+            "the model the watcher has seen, at 0:\n{text}"
+        );
+    }
 }
 
 fn promtool(args: &[&str], dir: &Path) -> String {

@@ -90,6 +90,20 @@ pub async fn show(base: &str) -> Result<String, StatusError> {
     Ok(render(&status))
 }
 
+/// guard's concurrency beside the server's own slots, where it lists them: more than the
+/// slots only moves the queue into the server, where guard cannot order or reap it.
+fn concurrency(status: &Status) -> String {
+    let max = status.upstream.max_concurrency;
+    let slots = status.watch.upstream.as_ref().and_then(|u| u.slots);
+    match slots {
+        Some(slots) if max as usize > slots => format!(
+            "{max} (the upstream has {slots} slots: lower upstream.max_concurrency to {slots})"
+        ),
+        Some(slots) => format!("{max} (the upstream has {slots} slots)"),
+        None => max.to_string(),
+    }
+}
+
 /// The status document as a readable table.
 pub fn render(status: &Status) -> String {
     let mut out = String::new();
@@ -98,6 +112,7 @@ pub fn render(status: &Status) -> String {
     line("uptime", format!("{} s", status.uptime_seconds));
     line("listen", status.listen.clone());
     line("upstream", status.upstream.url.clone());
+    line("concurrency", concurrency(status));
     let ebpf = &status.ebpf;
     line(
         "ebpf",

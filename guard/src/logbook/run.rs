@@ -233,7 +233,7 @@ fn token_text(api: Api, json: &[u8], tokens: &mut u64) -> Option<String> {
     let (piece, counted) = match api {
         Api::Openai => {
             let chunk: openai::ChatChunk = api::parse(json)?;
-            let counted = chunk.timings.as_ref().and_then(|t| t.predicted_n);
+            let counted = chunk.generated_tokens();
             (chunk.text().map(str::to_owned), counted)
         }
         Api::Ollama => {

@@ -72,6 +72,9 @@ pub struct UpstreamState {
     pub busy: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deferred: Option<f64>,
+    /// llama-server: its slots (requests it works on at once), where `/slots` answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots: Option<usize>,
 }
 
 impl UpstreamState {
@@ -240,10 +243,15 @@ impl UpstreamWatcher {
         self.up.set(1);
         self.busy.set(load.processing as i64);
         self.deferred.set(load.deferred as i64);
+        let slots = self
+            .json::<Vec<llama::Slot>>(Method::GET, "/slots", None)
+            .await
+            .map(|slots| slots.len());
         UpstreamState {
             up: true,
             busy: Some(load.processing),
             deferred: Some(load.deferred),
+            slots,
             ..UpstreamState::default()
         }
     }

@@ -1,4 +1,4 @@
-//! llama-server's own endpoints: `/props`, the timings on a stream's last event, and its
+//! llama-server's own endpoints: `/props`, `/slots`, the timings on a stream's last event, and its
 //! Prometheus `/metrics` (read with a Prometheus text parser).
 
 use serde::Deserialize;
@@ -9,6 +9,15 @@ use serde::Deserialize;
 pub struct Props {
     pub build_info: Option<String>,
     pub model_path: Option<String>,
+}
+
+/// One entry of `GET /slots`: a slot is one request the server works on at a time.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(default)]
+pub struct Slot {
+    pub id: u32,
+    pub n_ctx: u64,
+    pub is_processing: bool,
 }
 
 /// The timings llama-server adds to an answer's last event.
@@ -46,6 +55,17 @@ impl Load {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn slots_as_llama_server_lists_them() {
+        let slots: Vec<Slot> = crate::upstream::api::parse(
+            br#"[{"id":0,"n_ctx":2048,"speculative":false,"is_processing":true},{"id":1,"n_ctx":2048}]"#,
+        )
+        .expect("slots");
+        assert_eq!(slots.len(), 2);
+        assert!(slots[0].is_processing && !slots[1].is_processing);
+        assert_eq!(slots[1].n_ctx, 2048);
+    }
 
     #[test]
     fn busy_and_deferred_from_metrics() {
