@@ -19,28 +19,32 @@ const PER_ROUND: usize = 8;
 const TRIALS: usize = 20;
 const STALL_MS: u64 = 300;
 
-fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    runtime.block_on(async {
-        waiting_bodies().await;
-        prediction_error().await;
-        println!("2. stall -> next request starts at the upstream, {TRIALS} trials each, limit {STALL_MS} ms:");
-        for (name, client_stall) in [("upstream stops mid-stream", false), ("client stops reading", true)] {
-            let overshoot = stall_overshoot(client_stall).await;
-            let ms = |d: Duration| d.as_secs_f64() * 1e3;
-            let p99 = percentile(&overshoot, 0.99);
-            println!(
-                "   {name:<27} beyond the limit: p50 {:>6.1} ms, p99 {:>6.1} ms, max {:>6.1} ms; goal p99 <= 100 ms: {}",
-                ms(percentile(&overshoot, 0.5)),
-                ms(p99),
-                ms(percentile(&overshoot, 1.0)),
-                if p99 <= Duration::from_millis(100) { "met" } else { "missed" }
-            );
-        }
-    });
+#[tokio::main]
+async fn main() {
+    waiting_bodies().await;
+    prediction_error().await;
+    println!(
+        "2. stall -> next request starts at the upstream, {TRIALS} trials each, limit {STALL_MS} ms:"
+    );
+    for (name, client_stall) in [
+        ("upstream stops mid-stream", false),
+        ("client stops reading", true),
+    ] {
+        let overshoot = stall_overshoot(client_stall).await;
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let p99 = percentile(&overshoot, 0.99);
+        println!(
+            "   {name:<27} beyond the limit: p50 {:>6.1} ms, p99 {:>6.1} ms, max {:>6.1} ms; goal p99 <= 100 ms: {}",
+            ms(percentile(&overshoot, 0.5)),
+            ms(p99),
+            ms(percentile(&overshoot, 1.0)),
+            if p99 <= Duration::from_millis(100) {
+                "met"
+            } else {
+                "missed"
+            }
+        );
+    }
 }
 
 /// 1,000 requests of 1 MiB each wait behind a busy slot: guard's memory against the bytes it
