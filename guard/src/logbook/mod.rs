@@ -18,12 +18,12 @@ pub const DEFAULT_PATH: &str = "/var/lib/guard/logbook.jsonl";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LogbookError {
-    #[error("logbook {}: {source}", path.display())]
+    #[error("logbook {}", path.display())]
     Io {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("logbook {}:{line}: not an entry: {source}", path.display())]
+    #[error("logbook {}:{line}: not an entry", path.display())]
     Parse {
         path: PathBuf,
         line: usize,
@@ -37,8 +37,34 @@ pub enum LogbookError {
         line: usize,
         reason: String,
     },
-    #[error("{0}")]
-    Run(String),
+    #[error("request to {path} failed")]
+    Request {
+        path: String,
+        #[source]
+        source: crate::upstream::BoxError,
+    },
+    #[error("{path} answered {status}: {said}")]
+    Answer {
+        path: String,
+        status: http::StatusCode,
+        said: String,
+    },
+    #[error("the restart command failed: {command}")]
+    Restart { command: String },
+    #[error("the server did not come back within {waited:?} of the restart command")]
+    NotBack { waited: std::time::Duration },
+    #[error("an entry cannot be written")]
+    Encode(#[source] serde_json::Error),
+}
+
+impl LogbookError {
+    /// A request to `path` that failed on the way.
+    fn request(path: &str, source: impl Into<crate::upstream::BoxError>) -> Self {
+        Self::Request {
+            path: path.to_owned(),
+            source: source.into(),
+        }
+    }
 }
 
 /// Every entry, in the order recorded.
@@ -85,7 +111,7 @@ pub fn append(path: &Path, entry: &Entry) -> Result<(), LogbookError> {
         .append(true)
         .open(path)
         .map_err(io)?;
-    let line = serde_json::to_string(entry).map_err(|e| LogbookError::Run(e.to_string()))?;
+    let line = serde_json::to_string(entry).map_err(LogbookError::Encode)?;
     writeln!(file, "{line}").map_err(io)
 }
 

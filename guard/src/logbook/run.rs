@@ -175,12 +175,12 @@ async fn stream_once(
         .header("content-type", "application/json")
         .header("x-guard-class", &plan.class)
         .body(Full::new(Bytes::from(body.to_string())))
-        .map_err(|e| LogbookError::Run(e.to_string()))?;
+        .map_err(|e| LogbookError::request(path, e))?;
     let sent = Instant::now();
     let response = client
         .request(request)
         .await
-        .map_err(|e| LogbookError::Run(format!("{path}: {e}")))?;
+        .map_err(|e| LogbookError::request(path, e))?;
     let status = response.status();
     let queue_ms = response
         .headers()
@@ -199,7 +199,7 @@ async fn stream_once(
         Api::Ollama => StreamFormat::Ndjson,
     };
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| LogbookError::Run(format!("{path}: {e}")))?;
+        let frame = frame.map_err(|e| LogbookError::request(path, e))?;
         let Ok(data) = frame.into_data() else {
             continue;
         };
@@ -217,10 +217,11 @@ async fn stream_once(
         });
     }
     if !status.is_success() {
-        let said = String::from_utf8_lossy(lines.rest());
-        return Err(LogbookError::Run(format!(
-            "{path} answered {status}: {said}"
-        )));
+        return Err(LogbookError::Answer {
+            path: path.to_owned(),
+            status,
+            said: crate::quote::quote(&String::from_utf8_lossy(lines.rest())),
+        });
     }
     sample.total = sent.elapsed();
     sample.ttft = first.unwrap_or(sample.total);
@@ -502,9 +503,9 @@ async fn cold_start(
                 .args(["-c", restart])
                 .status();
             if !status.is_ok_and(|s| s.success()) {
-                return Err(LogbookError::Run(format!(
-                    "the restart command failed: {restart}"
-                )));
+                return Err(LogbookError::Restart {
+                    command: restart.clone(),
+                });
             }
             wait_ready(client, plan).await?;
         }
@@ -525,7 +526,8 @@ async fn wait_ready(client: &HttpClient, plan: &Plan) -> Result<(), LogbookError
         Api::Openai => "/health",
         Api::Ollama => "/api/version",
     };
-    while started.elapsed() < Duration::from_secs(120) {
+    const WAIT: Duration = Duration::from_secs(120);
+    while started.elapsed() < WAIT {
         if get_json::<serde::de::IgnoredAny>(client, plan, health)
             .await
             .is_some()
@@ -534,9 +536,7 @@ async fn wait_ready(client: &HttpClient, plan: &Plan) -> Result<(), LogbookError
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    Err(LogbookError::Run(
-        "the server did not come back after the restart command".to_owned(),
-    ))
+    Err(LogbookError::NotBack { waited: WAIT })
 }
 
 /// Posts `body` and waits for the whole answer, which only says the request is done.
@@ -549,16 +549,16 @@ async fn post_json(
     let request = http::Request::post(format!("{}{path}", plan.url.trim_end_matches('/')))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
-        .map_err(|e| LogbookError::Run(e.to_string()))?;
+        .map_err(|e| LogbookError::request(path, e))?;
     let response = client
         .request(request)
         .await
-        .map_err(|e| LogbookError::Run(format!("{path}: {e}")))?;
+        .map_err(|e| LogbookError::request(path, e))?;
     response
         .into_body()
         .collect()
         .await
-        .map_err(|e| LogbookError::Run(e.to_string()))?;
+        .map_err(|e| LogbookError::request(path, e))?;
     Ok(())
 }
 
