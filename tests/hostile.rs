@@ -203,7 +203,10 @@ async fn made_up_model_names_never_become_labels() {
         "new series after 299 more made-up names"
     );
     assert_eq!(
-        metric(&text, "guard_remote_refused_total{model=\"other\"}"),
+        metric(
+            &text,
+            "guard_remote_refused_total{class=\"interactive\",model=\"other\"}"
+        ),
         Some(300.0)
     );
 }

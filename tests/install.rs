@@ -1,7 +1,8 @@
 //! `cargo xtask install --root DIR` as a packager meets it: the binary, config and unit land
 //! under DIR, the installed binary runs and accepts the installed config, a second install keeps
 //! the admin's config, and the installed systemd unit passes `systemd-analyze verify` with the
-//! capabilities and hardening the deployment relies on.
+//! capabilities and hardening the deployment relies on, and `systemd-analyze security` rates its
+//! exposure at 3.0 or less.
 
 use std::{
     os::unix::fs::PermissionsExt as _,
@@ -16,14 +17,12 @@ const CONFIG: &str = "etc/guard/guard.toml";
 const UNIT: &str = "etc/systemd/system/guard.service";
 const STATE_DIR: &str = "var/lib/guard";
 
-/// The capabilities the unit grants, no more: eBPF load, tracepoint attach, and reading the
-/// upstream's /proc/PID/fd (which needs both the ptrace check and the directory's permissions).
-const CAPABILITIES: [&str; 4] = [
-    "CAP_BPF",
-    "CAP_PERFMON",
-    "CAP_SYS_PTRACE",
-    "CAP_DAC_READ_SEARCH",
-];
+/// The capabilities the unit grants, no more: loading the eBPF program and its maps, and
+/// attaching it to the tracepoint (perf_event_open). guard drops both once it is attached.
+const CAPABILITIES: [&str; 2] = ["CAP_BPF", "CAP_PERFMON"];
+
+/// The highest overall exposure `systemd-analyze security` may rate the unit, in tenths (3.0).
+const MAX_EXPOSURE_TENTHS: u32 = 30;
 
 fn workspace() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
@@ -129,16 +128,14 @@ fn unit_values(unit: &str, key: &str) -> Vec<String> {
         .collect()
 }
 
-#[test]
-fn the_systemd_unit_verifies() {
-    let tmp = TempDir::new("guard-install-unit");
+/// Installs into a fresh root under `tmp` and returns the installed unit's text and the path of
+/// a copy of it to analyse. systemd-analyze verify checks that the binaries of ExecStart= and
+/// ExecStopPost= exist, and with --root it looks for the system's targets and /bin/kill under the
+/// root too. So the copy, named guard.service, names the binary installed under the root.
+fn installed_unit(tmp: &TempDir) -> (String, PathBuf) {
     let root = &tmp.0;
     install_into(root);
     let unit = std::fs::read_to_string(root.join(UNIT)).expect("read the installed unit");
-
-    // systemd-analyze verify checks that ExecStart's binary exists, and with --root it looks for
-    // the system's targets and /bin/kill under the root too. So verify a copy of the installed
-    // unit, named guard.service, whose ExecStart names the binary installed under the root.
     let installed_binary = root.join(BINARY);
     let copy_dir: PathBuf = root.join("verify");
     std::fs::create_dir_all(&copy_dir).expect("create the verify dir");
@@ -151,6 +148,20 @@ fn the_systemd_unit_verifies() {
         ),
     )
     .expect("write the unit copy");
+    (unit, copy)
+}
+
+/// The sorted capabilities of [`CAPABILITIES`].
+fn expected_capabilities() -> Vec<String> {
+    let mut expected: Vec<String> = CAPABILITIES.iter().map(|c| (*c).to_owned()).collect();
+    expected.sort();
+    expected
+}
+
+#[test]
+fn the_systemd_unit_verifies() {
+    let tmp = TempDir::new("guard-install-unit");
+    let (unit, copy) = installed_unit(&tmp);
 
     let verify = Command::new("systemd-analyze")
         .arg("verify")
@@ -173,8 +184,7 @@ fn the_systemd_unit_verifies() {
         about_unit.join("\n")
     );
 
-    let mut expected: Vec<String> = CAPABILITIES.iter().map(|c| (*c).to_owned()).collect();
-    expected.sort();
+    let expected = expected_capabilities();
     for key in ["AmbientCapabilities", "CapabilityBoundingSet"] {
         let mut granted = unit_values(&unit, key);
         granted.sort();
@@ -197,4 +207,140 @@ fn the_systemd_unit_verifies() {
             .any(|line| line == "ExecStart=/usr/local/bin/guard run --config /etc/guard/guard.toml"),
         "unexpected ExecStart"
     );
+}
+
+/// "Overall exposure level for guard.service: 2.4 OK" as tenths (24).
+fn exposure_tenths(report: &str) -> Option<u32> {
+    let level = report
+        .lines()
+        .find_map(|line| line.split_once("Overall exposure level for guard.service: "))?
+        .1
+        .split_whitespace()
+        .next()?;
+    let (whole, tenth) = level.split_once('.')?;
+    let tenth: u32 = tenth.parse().ok().filter(|t| *t < 10)?;
+    Some(whole.parse::<u32>().ok()? * 10 + tenth)
+}
+
+#[test]
+fn the_systemd_unit_scores_3_or_less() {
+    let tmp = TempDir::new("guard-install-security");
+    let (unit, copy) = installed_unit(&tmp);
+
+    // --threshold counts tenths: the exit status fails above 3.0.
+    let security = run(Command::new("systemd-analyze")
+        .args(["security", "--offline=yes"])
+        .arg(format!("--threshold={MAX_EXPOSURE_TENTHS}"))
+        .arg(&copy));
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&security.stdout),
+        String::from_utf8_lossy(&security.stderr)
+    );
+    let exposure = exposure_tenths(&report).unwrap_or_else(|| {
+        panic!("systemd-analyze security printed no overall exposure level:\n{report}")
+    });
+    assert!(
+        exposure <= MAX_EXPOSURE_TENTHS,
+        "overall exposure {}.{} is above {}.{}:\n{report}",
+        exposure / 10,
+        exposure % 10,
+        MAX_EXPOSURE_TENTHS / 10,
+        MAX_EXPOSURE_TENTHS % 10
+    );
+    assert!(
+        security.status.success(),
+        "systemd-analyze security --threshold={MAX_EXPOSURE_TENTHS} failed ({}):\n{report}",
+        security.status
+    );
+
+    // The settings the score rests on, and those guard needs to keep working.
+    let mut bounding = unit_values(&unit, "CapabilityBoundingSet");
+    bounding.sort();
+    assert_eq!(
+        bounding,
+        expected_capabilities(),
+        "the bounding set must be exactly CAP_BPF CAP_PERFMON"
+    );
+    let filter = unit_values(&unit, "SystemCallFilter");
+    for call in ["@system-service", "bpf", "perf_event_open"] {
+        assert!(
+            filter.iter().any(|c| c == call),
+            "SystemCallFilter= lacks {call}: {filter:?}"
+        );
+    }
+    assert!(
+        filter.iter().all(|c| !c.starts_with('~')),
+        "SystemCallFilter= must stay an allow list: {filter:?}"
+    );
+    for (key, value) in [
+        ("SystemCallErrorNumber", "EPERM"),
+        ("UMask", "0077"),
+        ("PrivateDevices", "yes"),
+        ("ProtectKernelTunables", "yes"),
+        ("ProtectControlGroups", "no"),
+        ("ProtectProc", "default"),
+        ("LimitMEMLOCK", "infinity"),
+    ] {
+        assert_eq!(
+            unit_values(&unit, key),
+            [value],
+            "the unit must set {key}={value}"
+        );
+    }
+    assert!(
+        unit.lines()
+            .any(|line| line
+                == "ExecStopPost=/usr/local/bin/guard restore --state-dir /var/lib/guard"),
+        "ExecStopPost= must run `guard restore` on the state dir"
+    );
+    // Writable cgroups and state; /proc whole (other users' processes, /proc/pressure, ...).
+    let writable = unit_values(&unit, "ReadWritePaths");
+    for path in ["/sys/fs/cgroup", "/var/lib/guard"] {
+        assert!(
+            writable.iter().any(|p| p == path),
+            "ReadWritePaths= lacks {path}"
+        );
+    }
+    for key in [
+        "ProcSubset",
+        "PrivateUsers",
+        "PrivateNetwork",
+        "User",
+        "DynamicUser",
+    ] {
+        assert!(
+            unit_values(&unit, key).is_empty(),
+            "{key}= would break guard (cgroups, /proc, capabilities or clients)"
+        );
+    }
+    // NVML's devices reach the private /dev.
+    let binds = unit_values(&unit, "BindPaths");
+    for node in ["-/dev/nvidiactl", "-/dev/nvidia0"] {
+        assert!(binds.iter().any(|b| b == node), "BindPaths= lacks {node}");
+    }
+    let devices = unit_values(&unit, "DeviceAllow");
+    for group in ["char-nvidia", "char-nvidiactl", "char-nvidia-frontend"] {
+        assert!(
+            devices.iter().any(|d| d == group),
+            "DeviceAllow= lacks {group}"
+        );
+    }
+}
+
+#[test]
+fn exposure_levels_parse() {
+    assert_eq!(
+        exposure_tenths("x\n\u{2192} Overall exposure level for guard.service: 2.4 OK \u{1f642}\n"),
+        Some(24)
+    );
+    assert_eq!(
+        exposure_tenths("Overall exposure level for guard.service: 10.0 UNSAFE"),
+        Some(100)
+    );
+    assert_eq!(
+        exposure_tenths("Overall exposure level for x.service: 2.4"),
+        None
+    );
+    assert_eq!(exposure_tenths("nothing"), None);
 }

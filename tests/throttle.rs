@@ -1,7 +1,9 @@
 //! Holding batch work back on this machine's real cgroups: a real busy process in the batch
 //! cgroup (put there by `guard exec`), interactive requests put at risk on the real
-//! llama-server behind a long batch generation, cgroup v2 freeze and v1 CPU quota, restore after the hold time, on SIGTERM and
-//! after SIGKILL on the next start, the lock between two guards, and bad cgroup configs.
+//! llama-server behind a long batch generation, cgroup v2 freeze and v1 CPU quota, restore
+//! after the hold time, on SIGTERM, after SIGKILL on the next start, by `guard restore` with no
+//! config and by a start with a broken one; holds bounded by `risk.max_throttle_ms`; the lock
+//! between two guards, and bad cgroup configs.
 
 use std::{
     path::{Path, PathBuf},
@@ -96,6 +98,25 @@ async fn put_at_risk(
         .wait_for_metric("guard_class_throttled{class=\"batch\"}", 1.0)
         .await;
     (batch, interactive)
+}
+
+/// SIGKILL: no handler runs, nothing is restored. Returns once the process is gone.
+fn kill_hard(guard: &GuardProcess) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(guard.pid() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("SIGKILL");
+    let stat = format!("/proc/{}/stat", guard.pid());
+    let started = Instant::now();
+    while Path::new(&stat).exists()
+        && !std::fs::read_to_string(&stat)
+            .unwrap_or_default()
+            .contains(") Z")
+    {
+        assert!(started.elapsed() < Duration::from_secs(5));
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 fn read(file: PathBuf) -> String {
@@ -209,20 +230,7 @@ async fn sigkill_while_throttled_is_repaired_by_the_next_start() {
     let guard = GuardProcess::start(llama.addr, "openai", &extra);
     let _busy = busy_in_class(&guard.config_path, &cgroup.path);
     let (batch, _interactive) = put_at_risk(&guard).await;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(guard.pid() as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .expect("SIGKILL");
-    let started = Instant::now();
-    while Path::new(&format!("/proc/{}/stat", guard.pid())).exists()
-        && !std::fs::read_to_string(format!("/proc/{}/stat", guard.pid()))
-            .unwrap_or_default()
-            .contains(") Z")
-    {
-        assert!(started.elapsed() < Duration::from_secs(5));
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    kill_hard(&guard);
     assert_eq!(
         read(cgroup.path.join("cgroup.freeze")),
         "1",
@@ -245,6 +253,118 @@ async fn sigkill_while_throttled_is_repaired_by_the_next_start() {
         "{:#?}",
         restarted.startup_log
     );
+}
+
+/// After a SIGKILL mid-freeze: `guard restore` thaws the cgroup from the state directory alone
+/// (no config exists any more), and `guard run` with a broken config restores first, then
+/// exits 64.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crash_is_repaired_with_no_config_and_by_a_start_with_a_broken_one() {
+    require_root();
+    let _serial = serial().await;
+    let state = TempDir::new("guard-throttle-restore");
+    let cgroup = TestCgroup::new(&cgroup2_root(), "guard-test-batch-restore");
+    let llama = LlamaServer::start(1).await;
+    let extra = config(&cgroup.path, "freeze", &state.0);
+    let freeze = || read(cgroup.path.join("cgroup.freeze"));
+    let guard = GuardProcess::start(llama.addr, "openai", &extra);
+    let _busy = busy_in_class(&guard.config_path, &cgroup.path);
+    let (batch, _interactive) = put_at_risk(&guard).await;
+    kill_hard(&guard);
+    drop((batch, guard)); // its temporary folder, config included, goes too
+    assert_eq!(freeze(), "1", "a killed guard could not restore");
+    let restore = Command::new(guard_bin())
+        .args(["restore", "--state-dir"])
+        .arg(&state.0)
+        .output()
+        .expect("guard restore");
+    let said = String::from_utf8_lossy(&restore.stderr);
+    assert!(restore.status.success(), "{said}");
+    assert!(said.contains("restored a cgroup value"), "{said}");
+    assert_eq!(freeze(), "0", "guard restore thawed it");
+
+    let guard = GuardProcess::start(llama.addr, "openai", &extra);
+    let (batch, _interactive) = put_at_risk(&guard).await;
+    kill_hard(&guard);
+    drop((batch, guard));
+    assert_eq!(freeze(), "1");
+    let dir = TempDir::new("guard-throttle-broken");
+    let broken = dir.0.join("guard.toml");
+    std::fs::write(
+        &broken,
+        extra.replace("[risk]\n", "[risk]\nnot_a_key = 1\n"),
+    )
+    .expect("write the broken config");
+    let run = Command::new(guard_bin())
+        .args(["run", "--config"])
+        .arg(&broken)
+        .output()
+        .expect("guard run");
+    let said = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(64), "{said}");
+    assert!(said.contains("not_a_key"), "{said}");
+    assert_eq!(
+        freeze(),
+        "0",
+        "guard run restored before refusing its config"
+    );
+}
+
+/// Risk that lasts longer than `risk.max_throttle_ms`: each hold ends on time, and the class
+/// runs at least `risk.min_release_ms` before the next.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hold_never_exceeds_max_throttle_ms() {
+    require_root();
+    let _serial = serial().await;
+    let state = TempDir::new("guard-throttle-max");
+    let cgroup = TestCgroup::new(&cgroup2_root(), "guard-test-batch-max");
+    let llama = LlamaServer::start(1).await;
+    let (max, rest) = (Duration::from_millis(1500), Duration::from_millis(700));
+    let extra = config(&cgroup.path, "freeze", &state.0).replace(
+        "hold_ms = 1000\n",
+        &format!(
+            "hold_ms = 1000\nmax_throttle_ms = {}\nmin_release_ms = {}\n",
+            max.as_millis(),
+            rest.as_millis()
+        ),
+    );
+    let mut guard = GuardProcess::start(llama.addr, "openai", &extra);
+    let _busy = busy_in_class(&guard.config_path, &cgroup.path);
+    let (batch, interactive) = put_at_risk(&guard).await;
+    // The interactive chat waits behind the batch generation: risk stays on for seconds. Follow
+    // cgroup.freeze until it has been let go and held again.
+    let mut stretches: Vec<(String, Duration)> = Vec::new();
+    let (mut value, mut since) = (read(cgroup.path.join("cgroup.freeze")), Instant::now());
+    let started = Instant::now();
+    while stretches.len() < 3 {
+        assert!(started.elapsed() < Duration::from_secs(8), "{stretches:?}");
+        std::thread::sleep(Duration::from_millis(5));
+        let now = read(cgroup.path.join("cgroup.freeze"));
+        if now != value {
+            stretches.push((value, since.elapsed()));
+            (value, since) = (now, Instant::now());
+        }
+    }
+    // The first stretch was seen from its middle; the next two whole: let go, then held.
+    let slack = Duration::from_millis(100);
+    assert_eq!(stretches[0].0, "1", "{stretches:?}");
+    assert!(stretches[0].1 <= max + slack, "{stretches:?}");
+    assert_eq!(stretches[1].0, "0", "{stretches:?}");
+    assert!(
+        stretches[1].1 + slack >= rest,
+        "rests too short: {stretches:?}"
+    );
+    assert!(stretches[2].1 <= max + slack, "{stretches:?}");
+    assert!(
+        guard
+            .metric("guard_throttle_changes_total{change=\"release\",class=\"batch\",reason=\"max_throttle\"}")
+            .await
+            >= 2.0
+    );
+    let log = guard.wait_for_log("max_throttle");
+    assert!(log.iter().any(|l| l.contains("restored")), "{log:#?}");
+    leave(batch, Leave::Fin);
+    drop(interactive);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -32,6 +32,11 @@ fn chat(model: &str) -> serde_json::Value {
 /// An emulated Ollama with one model half on the CPU, slow cold loads and one cloud model,
 /// and guard in front of it after one cold and one warm chat.
 async fn watched_guard(extra: &str) -> (OllamaEmulator, GuardProcess) {
+    watched_guard_config(&format!("{CLASSES}{extra}")).await
+}
+
+/// The same, with the whole config given.
+async fn watched_guard_config(config: &str) -> (OllamaEmulator, GuardProcess) {
     let ollama = OllamaEmulator::start(&[
         "--models",
         "smollm2:135m,gpt-oss:20b-cloud",
@@ -44,7 +49,7 @@ async fn watched_guard(extra: &str) -> (OllamaEmulator, GuardProcess) {
         "--tokens",
         "3",
     ]);
-    let guard = GuardProcess::start(ollama.addr, "ollama", &format!("{CLASSES}{extra}"));
+    let guard = GuardProcess::start(ollama.addr, "ollama", config);
     for _ in 0..2 {
         assert_eq!(
             post(guard.listen, "/api/chat", &[], &chat("smollm2:135m"))
@@ -59,7 +64,7 @@ async fn watched_guard(extra: &str) -> (OllamaEmulator, GuardProcess) {
 #[tokio::test(flavor = "multi_thread")]
 async fn offload_cold_loads_and_remote_models_show_in_metrics_and_status() {
     let _serial = serial().await;
-    let (_ollama, guard) = watched_guard("").await;
+    let (_ollama, guard) = watched_guard("[upstream]\nrefuse_remote_models = false\n").await;
     guard
         .wait_for_metric("guard_model_cpu_offload_ratio{model=\"smollm2:135m\"}", 0.5)
         .await;
@@ -85,7 +90,7 @@ async fn offload_cold_loads_and_remote_models_show_in_metrics_and_status() {
             .await,
         0.0
     );
-    // Without refuse_remote_models the request passes, flagged.
+    // With refuse_remote_models = false every class may: the request passes, flagged.
     assert_eq!(
         post(guard.listen, "/api/chat", &[], &chat("gpt-oss:20b-cloud"))
             .await
@@ -122,13 +127,20 @@ async fn offload_cold_loads_and_remote_models_show_in_metrics_and_status() {
     );
 }
 
+/// The privacy boundary per class: by default no class may ask for a model served elsewhere;
+/// `[class.batch] allow_remote_models = true` lets the batch class (and only it) do so.
 #[tokio::test(flavor = "multi_thread")]
-async fn remote_models_are_refused_with_403_when_configured() {
+async fn remote_models_are_refused_with_403_in_a_class_that_does_not_allow_them() {
     let _serial = serial().await;
-    let (ollama, guard) = watched_guard("[upstream]\nrefuse_remote_models = true\n").await;
+    let config = CLASSES.replace(
+        "max_queue = 100\n",
+        "max_queue = 100\nallow_remote_models = true\n",
+    );
+    let (ollama, guard) = watched_guard_config(&config).await;
     guard
         .wait_for_metric("guard_model_remote{model=\"gpt-oss:20b-cloud\"}", 1.0)
         .await;
+    // The private chat (interactive by default) may not.
     let refused = post(guard.listen, "/api/chat", &[], &chat("gpt-oss:20b-cloud")).await;
     assert_eq!(refused.status, 403);
     let error = refused.json()["error"]
@@ -136,12 +148,12 @@ async fn remote_models_are_refused_with_403_when_configured() {
         .expect("Ollama shape")
         .to_owned();
     assert!(
-        error.contains("gpt-oss:20b-cloud") && error.contains("refuse_remote_models"),
+        error.contains("gpt-oss:20b-cloud") && error.contains("allow_remote_models"),
         "{error}"
     );
     assert_eq!(
         guard
-            .metric("guard_remote_refused_total{model=\"gpt-oss:20b-cloud\"}")
+            .metric("guard_remote_refused_total{class=\"interactive\",model=\"gpt-oss:20b-cloud\"}")
             .await,
         1.0
     );
@@ -150,6 +162,17 @@ async fn remote_models_are_refused_with_403_when_configured() {
         stats["requests"]["/api/chat"], 2,
         "the refused chat never left guard"
     );
+    // The batch class may (a client may always ask to be less urgent).
+    let batch = [("x-guard-class", "batch")];
+    let allowed = post(
+        guard.listen,
+        "/api/chat",
+        &batch,
+        &chat("gpt-oss:20b-cloud"),
+    )
+    .await;
+    assert_eq!(allowed.status, 200, "{}", allowed.text());
+    assert_eq!(ollama.stats().await["requests"]["/api/chat"], 3);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -95,6 +95,9 @@ pub struct Owner {
     pub tgid: u32,
     /// The cgroup v2 id (inode number of the cgroup's directory).
     pub cgroup_id: u64,
+    /// The task's real user id.
+    pub uid: u32,
+    pub _pad: u32,
 }
 
 /// Indexes into the per-CPU counter array.

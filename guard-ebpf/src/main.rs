@@ -2,7 +2,7 @@
 //!
 //! For every TCP state change of a connection whose local or remote port is in `WATCHED_PORTS`,
 //! it sends a [`SockEvent`] into `EVENTS`. On a client's own `connect()` (its move to SYN_SENT,
-//! which runs in the client's task) it notes the task's pid, tgid and cgroup id; when that
+//! which runs in the client's task) it notes the task's pid, tgid, uid and cgroup id; when that
 //! socket reaches ESTABLISHED (its port now assigned) the note moves into `OWNERS`, keyed by the
 //! client's address and port, where user space looks it up for an accepted connection.
 // Built for bpfel-unknown-none by guard's build script; on the host (clippy, `cargo test
@@ -11,7 +11,10 @@
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_cgroup_id, bpf_get_current_pid_tgid, bpf_ktime_get_ns},
+    helpers::{
+        bpf_get_current_cgroup_id, bpf_get_current_pid_tgid, bpf_get_current_uid_gid,
+        bpf_ktime_get_ns,
+    },
     macros::{map, tracepoint},
     maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::TracePointContext,
@@ -130,6 +133,9 @@ fn note_owner(skaddr: u64, oldstate: i32, newstate: i32, family: u16, addr: [u8;
             tgid: (pid_tgid >> 32) as u32,
             // SAFETY: a plain helper call with no arguments.
             cgroup_id: unsafe { bpf_get_current_cgroup_id() },
+            // The low half is the real uid.
+            uid: bpf_get_current_uid_gid() as u32,
+            _pad: 0,
         };
         let _ = CONNECTING.insert(skaddr, owner, 0);
     } else if oldstate == tcp_state::SYN_SENT {

@@ -1,20 +1,31 @@
-//! Decides a request's class at the moment the queue decides: the class header first, then
-//! the rules in order (first match wins), then the default.
+//! Decides a request's class at the moment the queue decides: who the client is (the rules in
+//! order, first match wins, then the default), and then the class header, which may only ask
+//! for a class of equal or lower urgency unless the matching rule trusts it.
 
-use std::net::IpAddr;
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::IpAddr,
+    sync::{Arc, Mutex},
+};
 
 use globset::GlobMatcher;
 use http::{HeaderMap, HeaderName, header};
+use prometheus::IntCounterVec;
 
-use crate::config::{Config, parse_cidr};
+use crate::{
+    config::{Config, parse_cidr},
+    metrics::Metrics,
+    reap::peer::Peer,
+    secret::Secret,
+};
 
-/// What the classifier may look at. The client's cgroup is looked up only if a rule asks.
+/// What the classifier may look at. The client's process is looked up only if a rule asks.
 pub struct RequestFacts<'a> {
     pub path: &'a str,
     pub headers: &'a HeaderMap,
     pub model: Option<&'a str>,
     pub source: IpAddr,
-    pub cgroup: &'a (dyn Fn() -> Option<String> + Sync),
+    pub peer: &'a (dyn Fn() -> Option<Arc<Peer>> + Sync),
 }
 
 /// The class chosen and why.
@@ -22,12 +33,14 @@ pub struct RequestFacts<'a> {
 pub struct Decision {
     pub class: String,
     pub by: DecidedBy,
+    /// A more urgent class the header asked for and did not get.
+    pub refused_claim: Option<String>,
 }
 
 /// What chose a request's class.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecidedBy {
-    /// The class header named it.
+    /// The class header moved it (to a class no more urgent, or as a trusted rule allows).
     Header,
     /// `[[classify.rule]]` number N (1-based, in file order) matched.
     Rule(usize),
@@ -57,18 +70,34 @@ pub struct UnknownClass {
 pub struct Classifier {
     header: Option<HeaderName>,
     default: String,
-    known: Vec<String>,
+    /// Each class's priority: lower is more urgent.
+    priority: HashMap<String, i32>,
     rules: Vec<Rule>,
 }
 
 struct Rule {
     class: String,
+    label: String,
+    trust_header: bool,
     path_prefix: Option<String>,
     model: Option<GlobMatcher>,
-    bearer: Option<String>,
+    bearer: Option<Secret>,
     user_agent: Option<GlobMatcher>,
     source: Option<ipnet::IpNet>,
     cgroup_prefix: Option<String>,
+    uid: Option<u32>,
+    unit: Option<String>,
+    exe: Option<GlobMatcher>,
+    header: Option<(HeaderName, String)>,
+}
+
+impl Rule {
+    fn needs_peer(&self) -> bool {
+        self.cgroup_prefix.is_some()
+            || self.uid.is_some()
+            || self.unit.is_some()
+            || self.exe.is_some()
+    }
 }
 
 impl Classifier {
@@ -84,14 +113,23 @@ impl Classifier {
             .classify
             .rule
             .iter()
-            .map(|rule| Rule {
+            .enumerate()
+            .map(|(index, rule)| Rule {
                 class: rule.class.clone(),
+                label: rule.label(index),
+                trust_header: rule.trust_header,
                 path_prefix: rule.path_prefix.clone(),
                 model: glob(&rule.model),
-                bearer: rule.bearer.clone(),
+                bearer: rule.resolved.bearer.clone(),
                 user_agent: glob(&rule.user_agent),
                 source: rule.source.as_deref().and_then(|s| parse_cidr(s).ok()),
                 cgroup_prefix: rule.cgroup_prefix.clone(),
+                uid: rule.resolved.uid,
+                unit: rule.unit.clone(),
+                exe: glob(&rule.exe),
+                header: rule.header.as_ref().and_then(|h| {
+                    Some((HeaderName::try_from(h.name.as_str()).ok()?, h.value.clone()))
+                }),
             })
             .collect();
         Self {
@@ -99,50 +137,102 @@ impl Classifier {
                 .then(|| HeaderName::try_from(config.classify.header.as_str()).ok())
                 .flatten(),
             default: config.classify.default.clone(),
-            known: config.class.keys().cloned().collect(),
+            priority: config
+                .class
+                .iter()
+                .map(|(name, class)| (name.clone(), class.priority))
+                .collect(),
             rules,
         }
     }
+
     pub fn classify(&self, facts: &RequestFacts<'_>) -> Result<Decision, UnknownClass> {
-        if let Some(header) = &self.header
-            && let Some(value) = facts.headers.get(header)
-        {
-            let given = value
-                .to_str()
-                .unwrap_or_default()
-                .trim()
-                .to_ascii_lowercase();
-            if self.known.contains(&given) {
-                return Ok(Decision {
-                    class: given,
-                    by: DecidedBy::Header,
-                });
-            }
-            return Err(UnknownClass {
-                given: crate::quote::quote(&given),
-                header: header.to_string(),
-                known: self.known.join(", "),
+        let claim = self.claim(facts.headers)?;
+        let (class, by, trusted) = self.identify(facts);
+        let Some(claimed) = claim.filter(|claimed| *claimed != class) else {
+            return Ok(Decision {
+                class,
+                by,
+                refused_claim: None,
+            });
+        };
+        if trusted || self.priority(&claimed) >= self.priority(&class) {
+            return Ok(Decision {
+                class: claimed,
+                by: DecidedBy::Header,
+                refused_claim: None,
             });
         }
-        let mut cgroup = None;
+        Ok(Decision {
+            class,
+            by,
+            refused_claim: Some(claimed),
+        })
+    }
+
+    /// The class the header asks for, if it names one; an unknown name is an error.
+    fn claim(&self, headers: &HeaderMap) -> Result<Option<String>, UnknownClass> {
+        let Some(value) = self.header.as_ref().and_then(|h| headers.get(h)) else {
+            return Ok(None);
+        };
+        let given = value
+            .to_str()
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase();
+        if self.priority.contains_key(&given) {
+            return Ok(Some(given));
+        }
+        let mut known: Vec<&str> = self.priority.keys().map(String::as_str).collect();
+        known.sort_unstable();
+        Err(UnknownClass {
+            given: crate::quote::quote(&given),
+            header: self
+                .header
+                .as_ref()
+                .map(ToString::to_string)
+                .unwrap_or_default(),
+            known: known.join(", "),
+        })
+    }
+
+    /// The class who the client is gives it, what decided, and whether that trusts the header.
+    fn identify(&self, facts: &RequestFacts<'_>) -> (String, DecidedBy, bool) {
+        let mut peer = None;
         for (index, rule) in self.rules.iter().enumerate() {
-            if rule.matches(facts, &mut cgroup) {
-                return Ok(Decision {
-                    class: rule.class.clone(),
-                    by: DecidedBy::Rule(index + 1),
-                });
+            if rule.matches(facts, &mut peer) {
+                return (
+                    rule.class.clone(),
+                    DecidedBy::Rule(index + 1),
+                    rule.trust_header,
+                );
             }
         }
-        Ok(Decision {
-            class: self.default.clone(),
-            by: DecidedBy::Default,
-        })
+        (self.default.clone(), DecidedBy::Default, false)
+    }
+
+    fn priority(&self, class: &str) -> i32 {
+        self.priority.get(class).copied().unwrap_or(i32::MAX)
+    }
+
+    /// How `/status` and the metrics name what decided.
+    pub fn label(&self, by: DecidedBy) -> &str {
+        match by {
+            DecidedBy::Header => "header",
+            DecidedBy::Default => "default",
+            DecidedBy::Rule(n) => self.rules.get(n - 1).map_or("rule", |r| r.label.as_str()),
+        }
+    }
+
+    /// Whether any rule reads the client's process.
+    pub fn needs_peer(&self) -> bool {
+        self.rules.iter().any(Rule::needs_peer)
     }
 }
 
 impl Rule {
-    /// Every matcher the rule names must match. `cgroup` caches the lookup across rules.
-    fn matches(&self, facts: &RequestFacts<'_>, cgroup: &mut Option<Option<String>>) -> bool {
+    /// Every matcher the rule names must match. `peer` caches the lookup across rules.
+    fn matches(&self, facts: &RequestFacts<'_>, peer: &mut Option<Option<Arc<Peer>>>) -> bool {
         if let Some(prefix) = &self.path_prefix
             && !facts.path.starts_with(prefix.as_str())
         {
@@ -153,15 +243,10 @@ impl Rule {
         {
             return false;
         }
-        if let Some(token) = &self.bearer {
-            let presented = facts
-                .headers
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "));
-            if presented != Some(token.as_str()) {
-                return false;
-            }
+        if let Some(secret) = &self.bearer
+            && !secret.authorizes(facts.headers)
+        {
+            return false;
         }
         if let Some(agent) = &self.user_agent {
             let presented = facts
@@ -177,16 +262,36 @@ impl Rule {
         {
             return false;
         }
-        if let Some(prefix) = &self.cgroup_prefix {
-            let path = cgroup.get_or_insert_with(|| (facts.cgroup)());
-            if !path
-                .as_deref()
-                .is_some_and(|p| cgroup_has_prefix(p, prefix))
-            {
-                return false;
-            }
+        if let Some((name, value)) = &self.header
+            && facts
+                .headers
+                .get(name)
+                .is_none_or(|v| v.as_bytes() != value.as_bytes())
+        {
+            return false;
         }
-        true
+        if !self.needs_peer() {
+            return true;
+        }
+        let peer = peer.get_or_insert_with(|| (facts.peer)());
+        peer.as_deref().is_some_and(|peer| self.matches_peer(peer))
+    }
+
+    /// The matchers on the client's process.
+    fn matches_peer(&self, peer: &Peer) -> bool {
+        let cgroup = peer.cgroup.as_deref();
+        self.cgroup_prefix
+            .as_ref()
+            .is_none_or(|prefix| cgroup.is_some_and(|path| cgroup_has_prefix(path, prefix)))
+            && self.uid.is_none_or(|uid| peer.uid == Some(uid))
+            && self
+                .unit
+                .as_ref()
+                .is_none_or(|unit| cgroup.is_some_and(|path| path.split('/').any(|c| c == unit)))
+            && self
+                .exe
+                .as_ref()
+                .is_none_or(|exe| peer.exe.as_ref().is_some_and(|path| exe.is_match(path)))
     }
 }
 
@@ -197,9 +302,93 @@ fn cgroup_has_prefix(path: &str, prefix: &str) -> bool {
     path == prefix || path.starts_with(&format!("{prefix}/")) || prefix.is_empty()
 }
 
+/// How many requests each rule (or the header, or the default) sent to each class since
+/// start: the classifier's own count, which `/status` shows and the metrics export.
+pub struct Tally {
+    counts: Mutex<BTreeMap<String, BTreeMap<String, u64>>>,
+    classified: IntCounterVec,
+    refused_claims: IntCounterVec,
+}
+
+impl Tally {
+    pub fn new(metrics: &Metrics) -> Self {
+        let counter = |name: &str, help: &str, labels: &[&str]| {
+            let counter = IntCounterVec::new(prometheus::Opts::new(name, help), labels)
+                .expect("valid counter");
+            metrics.register(Box::new(counter.clone()));
+            counter
+        };
+        Self {
+            counts: Mutex::default(),
+            classified: counter(
+                "guard_classified_total",
+                "Requests given a class, by what decided it (a rule's name, header, default).",
+                &["class", "by"],
+            ),
+            refused_claims: counter(
+                "guard_class_claims_refused_total",
+                "Requests whose class header asked for a more urgent class than their client may have; served in their own class.",
+                &["claimed", "class"],
+            ),
+        }
+    }
+
+    /// Creates every series `classifier` can produce, at 0.
+    pub fn prepare(&self, classifier: &Classifier) {
+        let classes: Vec<&String> = classifier.priority.keys().collect();
+        for rule in &classifier.rules {
+            self.classified
+                .with_label_values(&[&rule.class, &rule.label]);
+        }
+        self.classified
+            .with_label_values(&[&classifier.default, "default"]);
+        for class in &classes {
+            self.classified
+                .with_label_values(&[class.as_str(), "header"]);
+            for claimed in &classes {
+                if classifier.priority(claimed) < classifier.priority(class) {
+                    self.refused_claims
+                        .with_label_values(&[claimed.as_str(), class.as_str()]);
+                }
+            }
+        }
+    }
+
+    /// Counts one request's final decision.
+    pub fn record(&self, classifier: &Classifier, decision: &Decision) {
+        let by = classifier.label(decision.by);
+        self.classified
+            .with_label_values(&[&decision.class, by])
+            .inc();
+        if let Some(claimed) = &decision.refused_claim {
+            self.refused_claims
+                .with_label_values(&[claimed, &decision.class])
+                .inc();
+        }
+        let mut counts = self
+            .counts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *counts
+            .entry(decision.class.clone())
+            .or_default()
+            .entry(by.to_owned())
+            .or_default() += 1;
+    }
+
+    /// Per class, what sent how many requests there.
+    pub fn snapshot(&self) -> BTreeMap<String, BTreeMap<String, u64>> {
+        self.counts
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::reap::peer::PeerSource;
 
     fn classifier(rules: &str) -> Classifier {
         let text = format!("[classify]\nheader = \"x-guard-class\"\n{rules}");
@@ -207,38 +396,63 @@ mod tests {
         Classifier::new(&config)
     }
 
+    type PeerFn<'a> = &'a (dyn Fn() -> Option<Arc<Peer>> + Sync);
+
     fn facts<'a>(
         path: &'a str,
         headers: &'a HeaderMap,
         model: Option<&'a str>,
-        cgroup: &'a (dyn Fn() -> Option<String> + Sync),
+        peer: PeerFn<'a>,
     ) -> RequestFacts<'a> {
         RequestFacts {
             path,
             headers,
             model,
             source: "10.1.2.3".parse().expect("ip"),
-            cgroup,
+            peer,
         }
     }
 
-    const NO_CGROUP: &(dyn Fn() -> Option<String> + Sync) = &|| None;
+    const NO_PEER: PeerFn<'static> = &|| None;
+
+    fn claiming(class: &str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-guard-class", class.parse().expect("value"));
+        headers
+    }
 
     #[test]
-    fn header_wins_and_an_unknown_one_is_an_error() {
-        let c = classifier("[[classify.rule]]\nclass = \"batch\"\npath_prefix = \"/\"\n");
-        let mut headers = HeaderMap::new();
-        headers.insert("x-guard-class", "Interactive".parse().expect("value"));
-        let decision = c
-            .classify(&facts("/v1/x", &headers, None, NO_CGROUP))
-            .expect("ok");
+    fn the_header_moves_a_request_only_to_a_class_no_more_urgent() {
+        let c = classifier(
+            "[[classify.rule]]\nclass = \"batch\"\npath_prefix = \"/batch\"\n\
+             [[classify.rule]]\nclass = \"batch\"\npath_prefix = \"/front\"\ntrust_header = true\n",
+        );
+        let decide = |path, headers: &HeaderMap| {
+            c.classify(&facts(path, headers, None, NO_PEER))
+                .expect("ok")
+        };
+        // Batch by rule, claiming interactive: refused, served as batch.
+        let refused = decide("/batch/x", &claiming("Interactive"));
+        assert_eq!(refused.class, "batch");
+        assert_eq!(refused.by, DecidedBy::Rule(1));
+        assert_eq!(refused.refused_claim.as_deref(), Some("interactive"));
+        // Interactive by default, asking to be batch: honoured.
+        let lowered = decide("/other", &claiming("batch"));
         assert_eq!(
-            (decision.class.as_str(), decision.by),
+            (lowered.class.as_str(), lowered.by),
+            ("batch", DecidedBy::Header)
+        );
+        assert_eq!(lowered.refused_claim, None);
+        // A trusted front end may claim any class.
+        let trusted = decide("/front", &claiming("interactive"));
+        assert_eq!(
+            (trusted.class.as_str(), trusted.by),
             ("interactive", DecidedBy::Header)
         );
-        headers.insert("x-guard-class", "vip".parse().expect("value"));
+        // Claiming one's own class changes nothing.
+        assert_eq!(decide("/batch", &claiming("batch")).by, DecidedBy::Rule(1));
         let err = c
-            .classify(&facts("/v1/x", &headers, None, NO_CGROUP))
+            .classify(&facts("/batch", &claiming("vip"), None, NO_PEER))
             .expect_err("unknown");
         assert_eq!(err.known, "batch, interactive");
     }
@@ -247,78 +461,142 @@ mod tests {
     fn first_matching_rule_wins_and_all_matchers_must_match() {
         let c = classifier(
             "[[classify.rule]]\nclass = \"interactive\"\nmodel = \"chat-*\"\npath_prefix = \"/api/chat\"\n\
-             [[classify.rule]]\nclass = \"batch\"\nmodel = \"*\"\n",
+             [[classify.rule]]\nclass = \"batch\"\nmodel = \"*\"\nname = \"any model\"\n",
         );
         let headers = HeaderMap::new();
         let decide = |path, model| {
-            c.classify(&facts(path, &headers, model, NO_CGROUP))
+            c.classify(&facts(path, &headers, model, NO_PEER))
                 .expect("ok")
         };
         assert_eq!(
             decide("/api/chat", Some("chat-small")).by,
             DecidedBy::Rule(1)
         );
-        assert_eq!(decide("/api/generate", Some("chat-small")).class, "batch");
+        let batch = decide("/api/generate", Some("chat-small"));
+        assert_eq!(batch.class, "batch");
+        assert_eq!(c.label(batch.by), "any model");
+        assert_eq!(c.label(DecidedBy::Rule(1)), "rule 1");
         assert_eq!(decide("/api/generate", None).by, DecidedBy::Default);
     }
 
     #[test]
     fn bearer_user_agent_and_source() {
-        let c = classifier(
+        let digest = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b"hashed"));
+        let c = classifier(&format!(
             "[[classify.rule]]\nclass = \"batch\"\nbearer = \"nightly\"\n\
+             [[classify.rule]]\nclass = \"batch\"\nbearer_sha256 = \"{digest}\"\n\
              [[classify.rule]]\nclass = \"batch\"\nuser_agent = \"extractor/*\"\n\
+             [[classify.rule]]\nclass = \"batch\"\nheader = {{ name = \"x-team\", value = \"nightly\" }}\n\
              [[classify.rule]]\nclass = \"batch\"\nsource = \"10.1.0.0/16\"\n",
-        );
-        let mut headers = HeaderMap::new();
-        headers.insert(header::AUTHORIZATION, "Bearer nightly".parse().expect("v"));
-        assert_eq!(
-            c.classify(&facts("/", &headers, None, NO_CGROUP))
+        ));
+        let by = |name: http::HeaderName, value: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(name, value.parse().expect("v"));
+            c.classify(&facts("/", &headers, None, NO_PEER))
                 .expect("ok")
-                .by,
+                .by
+        };
+        assert_eq!(
+            by(header::AUTHORIZATION, "Bearer nightly"),
             DecidedBy::Rule(1)
         );
-        let mut headers = HeaderMap::new();
-        headers.insert(header::USER_AGENT, "extractor/2.1".parse().expect("v"));
         assert_eq!(
-            c.classify(&facts("/", &headers, None, NO_CGROUP))
-                .expect("ok")
-                .by,
+            by(header::AUTHORIZATION, "Bearer hashed"),
             DecidedBy::Rule(2)
         );
-        let headers = HeaderMap::new();
+        assert_eq!(by(header::USER_AGENT, "extractor/2.1"), DecidedBy::Rule(3));
+        let team = http::HeaderName::from_static("x-team");
+        assert_eq!(by(team.clone(), "nightly"), DecidedBy::Rule(4));
+        assert_eq!(by(team, "nightly2"), DecidedBy::Rule(5));
         assert_eq!(
-            c.classify(&facts("/", &headers, None, NO_CGROUP))
-                .expect("ok")
-                .by,
-            DecidedBy::Rule(3)
+            by(header::AUTHORIZATION, "Bearer nightlyx"),
+            DecidedBy::Rule(5)
         );
     }
 
+    fn peer(uid: u32, cgroup: &str, exe: &str) -> Option<Arc<Peer>> {
+        Some(Arc::new(Peer {
+            pid: 42,
+            uid: Some(uid),
+            cgroup: Some(cgroup.to_owned()),
+            exe: Some(exe.into()),
+            source: PeerSource::Ebpf,
+        }))
+    }
+
     #[test]
-    fn cgroup_prefix_matches_whole_path_components_and_is_looked_up_once() {
+    fn who_the_client_is_uid_unit_exe_and_cgroup_looked_up_once() {
         let c = classifier(
             "[[classify.rule]]\nclass = \"batch\"\ncgroup_prefix = \"/guard/batch\"\npath_prefix = \"/nope\"\n\
-             [[classify.rule]]\nclass = \"batch\"\ncgroup_prefix = \"/guard/batch\"\n",
+             [[classify.rule]]\nclass = \"batch\"\ncgroup_prefix = \"/guard/batch\"\n\
+             [[classify.rule]]\nclass = \"batch\"\nunit = \"nightly-extract.service\"\n\
+             [[classify.rule]]\nclass = \"batch\"\nuid = 1000\n\
+             [[classify.rule]]\nclass = \"batch\"\nexe = \"/opt/extract/*\"\n",
         );
         let headers = HeaderMap::new();
         let lookups = std::sync::atomic::AtomicUsize::new(0);
         let in_batch = || {
             lookups.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            Some("/guard/batch/job-1".to_owned())
+            peer(0, "/guard/batch/job-1", "/usr/bin/curl")
         };
-        assert_eq!(
-            c.classify(&facts("/", &headers, None, &in_batch))
-                .expect("ok")
-                .by,
-            DecidedBy::Rule(2)
-        );
+        let by = |p: PeerFn<'_>| c.classify(&facts("/", &headers, None, p)).expect("ok").by;
+        assert_eq!(by(&in_batch), DecidedBy::Rule(2));
         assert_eq!(lookups.load(std::sync::atomic::Ordering::Relaxed), 1);
-        let elsewhere = || Some("/guard/batchy".to_owned());
         assert_eq!(
-            c.classify(&facts("/", &headers, None, &elsewhere))
-                .expect("ok")
-                .by,
+            by(&|| peer(0, "/guard/batchy", "/bin/x")),
             DecidedBy::Default
+        );
+        let unit = || peer(0, "/system.slice/nightly-extract.service", "/bin/x");
+        assert_eq!(by(&unit), DecidedBy::Rule(3));
+        assert_eq!(
+            by(&|| peer(0, "/system.slice/nightly-extract.service.d", "/bin/x")),
+            DecidedBy::Default
+        );
+        assert_eq!(
+            by(&|| peer(1000, "/user.slice", "/bin/x")),
+            DecidedBy::Rule(4)
+        );
+        assert_eq!(
+            by(&|| peer(7, "/user.slice", "/opt/extract/run")),
+            DecidedBy::Rule(5)
+        );
+        assert_eq!(by(NO_PEER), DecidedBy::Default);
+    }
+
+    #[test]
+    fn the_tally_counts_per_class_what_decided() {
+        let c = classifier(
+            "[[classify.rule]]\nclass = \"batch\"\npath_prefix = \"/b\"\nname = \"nightly\"\n",
+        );
+        let metrics = Metrics::new();
+        let tally = Tally::new(&metrics);
+        tally.prepare(&c);
+        let text = metrics.render();
+        assert!(
+            text.contains(
+                "guard_class_claims_refused_total{claimed=\"interactive\",class=\"batch\"} 0"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("guard_classified_total{by=\"nightly\",class=\"batch\"} 0"),
+            "{text}"
+        );
+        for path in ["/b", "/b", "/x"] {
+            let decision = c
+                .classify(&facts(path, &claiming("interactive"), None, NO_PEER))
+                .expect("ok");
+            tally.record(&c, &decision);
+        }
+        let counts = tally.snapshot();
+        assert_eq!(counts["batch"]["nightly"], 2);
+        assert_eq!(counts["interactive"]["default"], 1);
+        let text = metrics.render();
+        assert!(
+            text.contains(
+                "guard_class_claims_refused_total{claimed=\"interactive\",class=\"batch\"} 2"
+            ),
+            "{text}"
         );
     }
 }

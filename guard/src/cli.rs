@@ -28,11 +28,21 @@ pub enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Put back every cgroup value a guard recorded before changing it (after a crash), reading
+    /// no config; a running guard's own records are left to it.
+    Restore {
+        /// The state directory (risk.state_dir).
+        #[arg(long, default_value = "/var/lib/guard")]
+        state_dir: PathBuf,
+    },
     /// Show what a running guard's /status says, as a table.
     Status {
         /// The metrics listener of the guard to ask.
         #[arg(long, default_value = "http://127.0.0.1:9464")]
         url: String,
+        /// A file whose first line is the token the metrics listener requires.
+        #[arg(long)]
+        token_file: Option<PathBuf>,
     },
     /// Run CMD inside a class's cgroup (created where missing), as that class's workload.
     Exec {

@@ -14,11 +14,12 @@ use tokio::{
 };
 
 use crate::{
+    classify::Tally,
     config::Config,
     metrics::{self, Metrics},
     proxy::{self, Proxy, ProxyError},
     queue::Scheduler,
-    reap::{ConnEvent, EbpfError, EbpfTracker, reaper, registry::Registry},
+    reap::{ConnEvent, EbpfError, EbpfTracker, Loaded, reaper, registry::Registry},
     status::{EbpfStatus, RiskStatus, Status, UpstreamStatus},
     throttle::{ThrottleSetupError, Throttler, risk, ttft::TtftWindow},
     upstream,
@@ -47,8 +48,55 @@ struct EbpfState {
     unavailable: Option<String>,
 }
 
+/// What `guard run` does before any thread exists: bind the listeners and load the eBPF
+/// program, the only steps that may need privileges (see `privileges`).
+pub struct Setup {
+    metrics: Metrics,
+    throttler: Throttler,
+    proxy: std::net::TcpListener,
+    metrics_listener: std::net::TcpListener,
+    port: u16,
+    ebpf: Result<Loaded, EbpfError>,
+}
+
+impl Setup {
+    pub fn new(config: &Config) -> Result<Self, DaemonError> {
+        let metrics = Metrics::new();
+        // Before anything else: checks and locks each class cgroup and restores what a crash
+        // left (a second guard on the same cgroups stops here, naming the key).
+        let throttler = Throttler::new(config, &metrics)?;
+        let proxy = bind("server.listen", config.server.listen)?;
+        let metrics_listener = bind("metrics.listen", config.metrics.listen)?;
+        let port = proxy
+            .local_addr()
+            .map_or(config.server.listen.port(), |a| a.port());
+        let ebpf = if config.ebpf.enabled {
+            EbpfTracker::load(&[port])
+        } else {
+            Err(EbpfError::Disabled)
+        };
+        Ok(Self {
+            metrics,
+            throttler,
+            proxy,
+            metrics_listener,
+            port,
+            ebpf,
+        })
+    }
+
+    /// Whether the kernel program is attached.
+    pub fn ebpf_attached(&self) -> bool {
+        self.ebpf.is_ok()
+    }
+}
+
 /// Runs until SIGTERM or SIGINT; returns once everything is shut down and restored.
-pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), DaemonError> {
+pub async fn run(
+    config: Config,
+    config_path: Option<PathBuf>,
+    setup: Setup,
+) -> Result<(), DaemonError> {
     let started = Instant::now();
     // Installed before anything serves: a SIGTERM or SIGHUP that comes as soon as guard answers
     // must not meet the default action, which kills guard before it restores any cgroup.
@@ -57,20 +105,23 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
     let mut hangup = signal(SignalKind::hangup()).map_err(DaemonError::Signal)?;
     raise_open_file_limit();
     crate::memory::return_large_blocks_to_the_system();
-    let metrics = Metrics::new();
+    let metrics = setup.metrics;
     for result in [RELOAD_APPLIED, RELOAD_REFUSED] {
         metrics.config_reloads_total.with_label_values(&[result]);
     }
 
-    // Before anything serves: checks each class cgroup and restores what a crash left.
-    let throttler = Arc::new(Mutex::new(Throttler::new(&config, &metrics)?));
-    let proxy_listener = bind("server.listen", config.server.listen).await?;
-    let metrics_listener = bind("metrics.listen", config.metrics.listen).await?;
-    let listen_port = proxy_listener
-        .local_addr()
-        .map_or(config.server.listen.port(), |a| a.port());
-
-    let (ebpf, events) = start_ebpf(&config, listen_port);
+    let throttler = Arc::new(Mutex::new(setup.throttler));
+    let listening = |key, addr, listener| {
+        TcpListener::from_std(listener).map_err(|source| DaemonError::Bind { key, addr, source })
+    };
+    let proxy_listener = listening("server.listen", config.server.listen, setup.proxy)?;
+    let metrics_listener = listening(
+        "metrics.listen",
+        config.metrics.listen,
+        setup.metrics_listener,
+    )?;
+    let listen_port = setup.port;
+    let (ebpf, events) = start_ebpf(setup.ebpf, listen_port);
     metrics.ebpf_attached.set(i64::from(ebpf.tracker.is_some()));
     let tracker = ebpf.tracker.clone();
     let ebpf = Arc::new(Mutex::new(ebpf));
@@ -81,6 +132,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
 
     let scheduler = Scheduler::new(&config, metrics.clone());
     let ttft = Arc::new(TtftWindow::default());
+    let tally = Arc::new(Tally::new(&metrics));
     let watched = watchers::spawn(&config, &metrics, upstream::Client::new(&config.upstream));
     let proxy = Arc::new(Proxy::new(
         &config,
@@ -91,6 +143,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
             tracker,
             watched: Arc::clone(&watched),
             ttft: Arc::clone(&ttft),
+            tally: Arc::clone(&tally),
         },
     )?);
     let risk_view = Arc::new(risk::RiskView::default());
@@ -103,6 +156,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
         watched: Arc::clone(&watched),
         risk: Arc::clone(&risk_view),
         throttler: Arc::clone(&throttler),
+        tally,
         started,
     };
     let status: metrics::StatusFn =
@@ -110,6 +164,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
     let limits = metrics::Limits {
         max_connections: config.metrics.max_connections as usize,
         header_read_timeout: Duration::from_millis(config.metrics.header_read_timeout_ms),
+        bearer: config.metrics.bearer.clone(),
     };
     let metrics_task = tokio::spawn(metrics::serve(
         metrics_listener,
@@ -168,7 +223,7 @@ pub async fn run(config: Config, config_path: Option<PathBuf>) -> Result<(), Dae
     throttler
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .restore();
+        .restore(crate::throttle::Reason::Shutdown);
     // The program detaches when the last holder of the tracker lets go (the proxy holds one
     // too); the process exit that follows closes it at the latest.
     ebpf.lock()
@@ -190,20 +245,25 @@ fn raise_open_file_limit() {
     }
 }
 
-async fn bind(key: &'static str, addr: SocketAddr) -> Result<TcpListener, DaemonError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| DaemonError::Bind { key, addr, source })
+/// A listening socket as tokio's own bind makes one (SO_REUSEADDR, a backlog of 1024),
+/// made before the runtime exists, non-blocking for it.
+fn bind(key: &'static str, addr: SocketAddr) -> Result<std::net::TcpListener, DaemonError> {
+    use socket2::{Domain, Socket, Type};
+    let fail = |source| DaemonError::Bind { key, addr, source };
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None).map_err(fail)?;
+    socket.set_reuse_address(true).map_err(fail)?;
+    socket.set_nonblocking(true).map_err(fail)?;
+    socket.bind(&addr.into()).map_err(fail)?;
+    socket.listen(1024).map_err(fail)?;
+    Ok(socket.into())
 }
 
-/// Attaches the kernel program, or says once, clearly, why guard runs without it.
-fn start_ebpf(config: &Config, port: u16) -> (EbpfState, Option<mpsc::Receiver<ConnEvent>>) {
-    let attached = if config.ebpf.enabled {
-        EbpfTracker::attach(&[port])
-    } else {
-        Err(EbpfError::Disabled)
-    };
-    match attached {
+/// Starts reading from the kernel program, or says once, clearly, why guard runs without it.
+fn start_ebpf(
+    loaded: Result<Loaded, EbpfError>,
+    port: u16,
+) -> (EbpfState, Option<mpsc::Receiver<ConnEvent>>) {
+    match loaded.and_then(Loaded::start) {
         Ok((tracker, events)) => {
             tracing::info!(port, "eBPF program attached to sock/inet_sock_set_state");
             let state = EbpfState {
@@ -263,7 +323,7 @@ fn reload(
                     next.server.max_connections != current.server.max_connections,
                 ),
                 (
-                    "metrics.max_connections / header_read_timeout_ms",
+                    "metrics.max_connections / header_read_timeout_ms / bearer_token_file",
                     next.metrics != current.metrics,
                 ),
                 ("ebpf.enabled", next.ebpf.enabled != current.ebpf.enabled),
@@ -309,6 +369,7 @@ struct StatusSources {
     watched: Arc<Watched>,
     risk: Arc<risk::RiskView>,
     throttler: Arc<Mutex<Throttler>>,
+    tally: Arc<Tally>,
     started: Instant,
 }
 
@@ -341,6 +402,8 @@ impl StatusSources {
                 ring_drops_total: self.metrics.ebpf_ring_drops_total.get(),
             },
             classes: self.scheduler.snapshot(),
+            classified: self.tally.snapshot(),
+            capabilities: crate::privileges::held(),
             risk: RiskStatus {
                 signals: self.risk.signals(),
                 throttled_classes: self

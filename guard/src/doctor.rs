@@ -17,6 +17,7 @@ pub fn run(config: &Config) -> Vec<Check> {
         .into_iter()
         .map(|(name, result)| Check { name, result })
         .collect();
+    let ebpf_ready = checks.iter().all(|c| c.result.is_ok());
     checks.push(Check {
         name: "cgroups",
         result: cgroups(),
@@ -28,6 +29,10 @@ pub fn run(config: &Config) -> Vec<Check> {
     checks.push(Check {
         name: "upstream",
         result: upstream(config),
+    });
+    checks.push(Check {
+        name: "capabilities",
+        result: Ok(capabilities(config, ebpf_ready)),
     });
     for (name, addr) in [
         ("server.listen", config.server.listen),
@@ -91,6 +96,35 @@ fn cgroups() -> Result<String, String> {
             if v1_freezer { "yes" } else { "no" },
         )),
     }
+}
+
+/// What this process holds, what a running guard keeps after start, and where it learns who
+/// a client is.
+fn capabilities(config: &Config, ebpf_ready: bool) -> String {
+    let held = crate::privileges::held();
+    let mut kept: Vec<String> =
+        crate::privileges::needed(config, ebpf_ready && config.ebpf.enabled)
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+    kept.sort();
+    let held = if held.is_empty() {
+        "none".to_owned()
+    } else {
+        held.join(" ")
+    };
+    let kept = if kept.is_empty() {
+        "none".to_owned()
+    } else {
+        kept.join(" ")
+    };
+    let peers = if ebpf_ready && config.ebpf.enabled {
+        "clients identified from the eBPF record (no CAP_SYS_PTRACE needed)"
+    } else {
+        "only the /proc fallback identifies clients: another user's process needs \
+         CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH"
+    };
+    format!("held here: {held}; guard keeps after start: {kept}; {peers}")
 }
 
 fn nvml() -> Result<String, String> {

@@ -7,7 +7,8 @@ use clap::Parser as _;
 use guard::{
     cli::{BenchArgs, Cli, Command, LogbookCommand},
     config::{self, Config, ConfigError},
-    daemon, doctor, logbook, status,
+    daemon, doctor, logbook, privileges, status,
+    throttle::{self, state::Restored},
 };
 
 /// The exit status for a bad config (docs/design.md §4).
@@ -34,21 +35,7 @@ fn main() -> ExitCode {
 
 fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Run { config } => {
-            let (config, path) = match load(config) {
-                Ok(loaded) => loaded,
-                Err(err) => return Ok(bad_config(&err)),
-            };
-            match runtime()?.block_on(daemon::run(config, path)) {
-                Ok(()) => Ok(ExitCode::SUCCESS),
-                // A class cgroup that cannot be used is a configuration error.
-                Err(daemon::DaemonError::Throttle(err)) => {
-                    eprintln!("guard: bad config: {err}");
-                    Ok(ExitCode::from(EXIT_BAD_CONFIG))
-                }
-                Err(err) => Err(err.into()),
-            }
-        }
+        Command::Run { config } => run_daemon(config),
         Command::CheckConfig { config } => match load(config) {
             Ok((config, path)) => {
                 let source =
@@ -62,8 +49,23 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             }
             Err(err) => Ok(bad_config(&err)),
         },
-        Command::Status { url } => {
-            let table = runtime()?.block_on(status::show(&url))?;
+        Command::Restore { state_dir } => Ok(if restore(&state_dir) {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        }),
+        Command::Status { url, token_file } => {
+            let token = token_file
+                .map(|file| {
+                    std::fs::read_to_string(&file)
+                        .with_context(|| format!("reading {}", file.display()))
+                })
+                .transpose()?;
+            let token = token
+                .as_deref()
+                .and_then(|t| t.lines().next())
+                .map(str::trim);
+            let table = runtime()?.block_on(status::show(&url, token))?;
             print!("{table}");
             Ok(ExitCode::SUCCESS)
         }
@@ -96,6 +98,40 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             })
         }
     }
+}
+
+/// `guard run`: restore what a crash left, read the config, take what needs privileges, drop
+/// the privileges, then serve.
+fn run_daemon(config: Option<PathBuf>) -> anyhow::Result<ExitCode> {
+    // First put back what a crashed guard left held, even if this config is broken.
+    let given = config_path(config);
+    restore(&Config::state_dir_of(given.as_deref()));
+    let (config, path) = match load(given) {
+        Ok(loaded) => loaded,
+        Err(err) => return Ok(bad_config(&err)),
+    };
+    // Binding and loading eBPF may need privileges; they are dropped before the runtime starts
+    // any thread, so that every thread has only what is left.
+    let setup = match daemon::Setup::new(&config) {
+        Ok(setup) => setup,
+        // A class cgroup that cannot be used is a configuration error.
+        Err(daemon::DaemonError::Throttle(err)) => {
+            eprintln!("guard: bad config: {err}");
+            return Ok(ExitCode::from(EXIT_BAD_CONFIG));
+        }
+        Err(err) => return Err(err.into()),
+    };
+    match privileges::keep_only(&privileges::needed(&config, setup.ebpf_attached())) {
+        Ok(dropped) if !dropped.is_empty() => tracing::info!(
+            dropped = dropped.join(","),
+            held = privileges::held().join(","),
+            "capabilities dropped"
+        ),
+        Ok(_) => {}
+        Err(err) => tracing::warn!(%err, "guard keeps capabilities it does not need"),
+    }
+    runtime()?.block_on(daemon::run(config, path, setup))?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn bench(args: BenchArgs) -> anyhow::Result<ExitCode> {
@@ -167,13 +203,37 @@ fn logbook_command(path: &std::path::Path, command: LogbookCommand) -> anyhow::R
     Ok(ExitCode::SUCCESS)
 }
 
-/// The config from `--config`, else the default path where it exists, else built-in defaults.
-fn load(path: Option<PathBuf>) -> Result<(Config, Option<PathBuf>), ConfigError> {
-    let path = path.or_else(|| {
+/// `--config`, else the default path where it exists (else built-in defaults: none).
+fn config_path(path: Option<PathBuf>) -> Option<PathBuf> {
+    path.or_else(|| {
         let default = PathBuf::from(config::DEFAULT_PATH);
         default.exists().then_some(default)
-    });
-    match path {
+    })
+}
+
+/// Puts back what the records in `state_dir` hold, saying what it did; false if any failed.
+fn restore(state_dir: &std::path::Path) -> bool {
+    let mut all_ok = true;
+    for restored in throttle::state::restore_dir(state_dir) {
+        match restored {
+            Restored::Put { control, original } => {
+                tracing::warn!(file = %control.display(), %original, "restored a cgroup value a guard left changed");
+            }
+            Restored::Held { record } => {
+                tracing::info!(record = %record.display(), "left to the running guard that holds it");
+            }
+            Restored::Failed { record, reason } => {
+                all_ok = false;
+                tracing::error!(record = %record.display(), reason, "could not restore");
+            }
+        }
+    }
+    all_ok
+}
+
+/// The config from `--config`, else the default path where it exists, else built-in defaults.
+fn load(path: Option<PathBuf>) -> Result<(Config, Option<PathBuf>), ConfigError> {
+    match config_path(path) {
         Some(path) => Ok((Config::load(&path)?, Some(path))),
         None => Ok((Config::default(), None)),
     }

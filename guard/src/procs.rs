@@ -40,6 +40,69 @@ pub fn cgroup_of(pid: i32) -> Option<String> {
         .map(|group| group.pathname)
 }
 
+/// The real uid of a process (/proc/PID/status: readable for any process).
+pub fn uid_of(pid: i32) -> Option<u32> {
+    Process::new(pid)
+        .and_then(|process| process.status())
+        .ok()
+        .map(|status| status.ruid)
+}
+
+/// The executable of a process. The kernel lets only a ptrace-capable reader see another
+/// user's: without CAP_SYS_PTRACE that is None.
+pub fn exe_of(pid: i32) -> Option<PathBuf> {
+    Process::new(pid).and_then(|process| process.exe()).ok()
+}
+
+/// Most directories `cgroup_path_by_id` visits in one walk of the cgroup2 tree.
+const MAX_CGROUP_WALK: usize = 100_000;
+
+/// The cgroup v2 path whose directory has inode `id` (what the kernel calls the cgroup id).
+/// Tries the path /proc/PID/cgroup names first (the usual case: the process has not moved),
+/// then walks the cgroup2 tree, at most `MAX_CGROUP_WALK` directories.
+pub fn cgroup_path_by_id(id: u64, pid: i32) -> Option<String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let root = mounts()
+        .into_iter()
+        .find(|mount| mount.fs_type == "cgroup2")?
+        .point;
+    let inode_of = |path: &str| {
+        std::fs::metadata(root.join(path.trim_start_matches('/')))
+            .ok()
+            .map(|m| m.ino())
+    };
+    if let Some(path) = cgroup_of(pid)
+        && inode_of(&path) == Some(id)
+    {
+        return Some(path);
+    }
+    let mut pending = vec![root.clone()];
+    let mut visited = 0;
+    while let Some(dir) = pending.pop() {
+        visited += 1;
+        if visited > MAX_CGROUP_WALK {
+            return None;
+        }
+        let Ok(meta) = std::fs::metadata(&dir) else {
+            continue;
+        };
+        if meta.ino() == id {
+            let relative = dir.strip_prefix(&root).ok()?;
+            return Some(format!("/{}", relative.display()));
+        }
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        pending.extend(
+            entries
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path()),
+        );
+    }
+    None
+}
+
 /// This process's effective capability set.
 pub fn effective_capabilities() -> std::io::Result<u64> {
     Process::myself()
@@ -90,7 +153,32 @@ mod tests {
             .map(|s| s.inode)
             .expect("our listening socket");
         assert_eq!(socket_holder(inode), Some(std::process::id() as i32));
-        assert!(cgroup_of(std::process::id() as i32).is_some_and(|c| c.starts_with('/')));
+        let me = std::process::id() as i32;
+        let cgroup = cgroup_of(me).expect("our cgroup");
+        assert!(cgroup.starts_with('/'));
+        assert_eq!(uid_of(me), Some(nix::unistd::getuid().as_raw()));
+        assert_eq!(exe_of(me), std::env::current_exe().ok());
         assert!(effective_capabilities().is_ok());
+    }
+
+    #[test]
+    fn a_cgroup_is_found_by_its_id_even_when_the_pid_says_otherwise() {
+        use std::os::unix::fs::MetadataExt as _;
+        let Some(root) = mounts()
+            .into_iter()
+            .find(|m| m.fs_type == "cgroup2")
+            .map(|m| m.point)
+        else {
+            return; // no cgroup2 here: nothing to find
+        };
+        let me = std::process::id() as i32;
+        let path = cgroup_of(me).expect("our cgroup");
+        let id = std::fs::metadata(root.join(path.trim_start_matches('/')))
+            .expect("our cgroup's directory")
+            .ino();
+        assert_eq!(cgroup_path_by_id(id, me).as_deref(), Some(path.as_str()));
+        // pid 1 is most likely elsewhere; the walk finds ours anyway.
+        assert_eq!(cgroup_path_by_id(id, 1).as_deref(), Some(path.as_str()));
+        assert_eq!(cgroup_path_by_id(u64::MAX, me), None);
     }
 }

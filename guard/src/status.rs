@@ -6,6 +6,8 @@ use bytes::Bytes;
 use http_body_util::{BodyExt as _, Empty};
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::{config::Api, queue::ClassSnapshot, throttle::risk::Signal, watch::WatchStatus};
@@ -21,7 +23,11 @@ pub struct Status {
     pub upstream: UpstreamStatus,
     pub ebpf: EbpfStatus,
     pub classes: Vec<ClassSnapshot>,
+    /// Per class, what sent how many requests there (a rule's name, `header`, `default`).
+    pub classified: BTreeMap<String, BTreeMap<String, u64>>,
     pub risk: RiskStatus,
+    /// The capabilities the daemon holds now (after it dropped what it no longer needs).
+    pub capabilities: Vec<String>,
     /// What the watchers last read (host, GPUs, the upstream's own state).
     pub watch: WatchStatus,
 }
@@ -55,12 +61,14 @@ pub enum StatusError {
         "no guard answered at {url}: {reason} (is `guard run` running, and is this its metrics.listen?)"
     )]
     Unreachable { url: String, reason: String },
+    #[error("{url} wants a bearer token: pass --token-file (metrics.bearer_token_file)")]
+    Unauthorized { url: String },
     #[error("{url} answered something that is not guard's status: {reason}")]
     NotStatus { url: String, reason: String },
 }
 
-/// Fetches `<base>/status` and renders it.
-pub async fn show(base: &str) -> Result<String, StatusError> {
+/// Fetches `<base>/status` (with the bearer token, where one is given) and renders it.
+pub async fn show(base: &str, token: Option<&str>) -> Result<String, StatusError> {
     let url = format!("{}/status", base.trim_end_matches('/'));
     let uri: http::Uri = url
         .parse()
@@ -73,10 +81,20 @@ pub async fn show(base: &str) -> Result<String, StatusError> {
         url: url.clone(),
         reason,
     };
+    let mut request = http::Request::get(uri);
+    if let Some(token) = token {
+        request = request.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    let request = request
+        .body(Empty::new())
+        .map_err(|err| unreachable(err.to_string()))?;
     let response = client
-        .get(uri)
+        .request(request)
         .await
         .map_err(|err| unreachable(err.to_string()))?;
+    if response.status() == http::StatusCode::UNAUTHORIZED {
+        return Err(StatusError::Unauthorized { url });
+    }
     let body = response
         .into_body()
         .collect()
@@ -131,6 +149,7 @@ pub fn render(status: &Status) -> String {
     let signals = status.risk.signals.iter().map(|s| s.as_str().to_owned());
     line("at risk", list(signals.collect()));
     line("throttled", list(status.risk.throttled_classes.clone()));
+    line("capabilities", list(status.capabilities.clone()));
     out.push_str(&format!(
         "\n{:<14} {:>8} {:>9} {:>11} {:>7} {:>8} {:>9}\n",
         "class", "priority", "max_queue", "deadline_ms", "queued", "running", "wait_ms"
@@ -149,6 +168,11 @@ pub fn render(status: &Status) -> String {
             class.running,
             class.predicted_wait_ms,
         ));
+    }
+    out.push_str(&format!("\n{:<14} {}\n", "class", "sent by"));
+    for (class, by) in &status.classified {
+        let by: Vec<String> = by.iter().map(|(by, n)| format!("{by}: {n}")).collect();
+        out.push_str(&format!("{class:<14} {}\n", by.join(", ")));
     }
     out
 }

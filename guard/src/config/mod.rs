@@ -64,7 +64,8 @@ pub struct UpstreamConfig {
     pub connect_timeout_ms: u64,
     /// Time from sending a request to the upstream's response head; past it guard answers 504.
     pub response_timeout_ms: u64,
-    /// Refuse (403) requests for models served from elsewhere (Ollama's remote/cloud models).
+    /// Refuse (403) requests for models served from elsewhere (Ollama's remote/cloud models):
+    /// the default of every class's `allow_remote_models` is its opposite.
     pub refuse_remote_models: bool,
     /// Pass-through requests in flight at once; one more is answered 503.
     pub max_passthrough: u32,
@@ -86,6 +87,12 @@ pub struct MetricsConfig {
     pub max_connections: u32,
     /// A scraper must send its request head within this time.
     pub header_read_timeout_ms: u64,
+    /// A file whose first line is the token `/metrics` and `/status` then require
+    /// (`Authorization: Bearer TOKEN`); absent means open.
+    pub bearer_token_file: Option<PathBuf>,
+    /// The token's digest, read from `bearer_token_file` when the config is read.
+    #[serde(skip)]
+    pub bearer: Option<crate::secret::Secret>,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -151,6 +158,10 @@ pub struct RiskConfig {
     pub gpu_memory: f64,
     /// Risk must stay clear this long before holds and throttles are lifted.
     pub hold_ms: u64,
+    /// No class stays frozen or capped longer than this in one go, risk or not.
+    pub max_throttle_ms: u64,
+    /// After a release a class runs at least this long before it can be held again.
+    pub min_release_ms: u64,
     /// Where guard records cgroup values before it changes them, to restore after a crash.
     pub state_dir: PathBuf,
 }
@@ -165,6 +176,8 @@ impl Default for RiskConfig {
             memory_pressure: 0.10,
             gpu_memory: 0.95,
             hold_ms: 10_000,
+            max_throttle_ms: 60_000,
+            min_release_ms: 5_000,
             state_dir: PathBuf::from("/var/lib/guard"),
         }
     }
@@ -200,6 +213,10 @@ pub struct ClassConfig {
     /// Arrival to last byte; absent means no limit.
     #[serde(default)]
     pub max_duration_ms: Option<u64>,
+    /// Whether this class may ask for a model served elsewhere (Ollama's remote and `-cloud`
+    /// models); absent means the opposite of `upstream.refuse_remote_models`.
+    #[serde(default)]
+    pub allow_remote_models: Option<bool>,
 }
 
 impl ClassConfig {
@@ -215,6 +232,7 @@ impl ClassConfig {
             upstream_idle_ms: default_upstream_idle_ms(),
             client_stall_ms: default_client_stall_ms(),
             max_duration_ms: None,
+            allow_remote_models: None,
         }
     }
 
@@ -260,12 +278,66 @@ pub struct ClassifyConfig {
 #[serde(deny_unknown_fields)]
 pub struct RuleConfig {
     pub class: String,
+    /// How `/status` and `guard_classified_total` name the rule; `rule N` when absent.
+    pub name: Option<String>,
+    /// Its matches may claim any class with the class header (a trusted front end).
+    #[serde(default)]
+    pub trust_header: bool,
     pub path_prefix: Option<String>,
     pub model: Option<String>,
+    /// The bearer token itself (prefer `bearer_sha256` or `bearer_file`: no secret in the config).
     pub bearer: Option<String>,
+    /// The hex SHA-256 digest of the bearer token.
+    pub bearer_sha256: Option<String>,
+    /// A file whose first line is the bearer token.
+    pub bearer_file: Option<PathBuf>,
     pub user_agent: Option<String>,
     pub source: Option<String>,
     pub cgroup_prefix: Option<String>,
+    /// The connecting process's user: a uid or a user name.
+    pub uid: Option<UidSpec>,
+    /// The systemd unit or slice the connecting process runs in (a component of its cgroup
+    /// path, e.g. `nightly-extract.service` or `batch.slice`).
+    pub unit: Option<String>,
+    /// The connecting process's executable path (a glob).
+    pub exe: Option<String>,
+    /// A request header with exactly this value.
+    pub header: Option<HeaderRule>,
+    /// What the config's words resolve to, filled in when the config is read.
+    #[serde(skip)]
+    pub resolved: ResolvedRule,
+}
+
+/// A header a rule matches: `header = { name = "x-team", value = "nightly" }`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct HeaderRule {
+    pub name: String,
+    pub value: String,
+}
+
+/// A user, by id or name.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum UidSpec {
+    Id(u32),
+    Name(String),
+}
+
+/// A rule's bearer token and user, as resolved from digests, files and the user database.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ResolvedRule {
+    pub bearer: Option<crate::secret::Secret>,
+    pub uid: Option<u32>,
+}
+
+impl RuleConfig {
+    /// The rule's label: its name, or `rule N` (1-based).
+    pub fn label(&self, index: usize) -> String {
+        self.name
+            .clone()
+            .unwrap_or_else(|| format!("rule {}", index + 1))
+    }
 }
 
 impl Default for Config {
@@ -318,7 +390,7 @@ impl Default for UpstreamConfig {
             max_concurrency: 1,
             connect_timeout_ms: 2_000,
             response_timeout_ms: 300_000,
-            refuse_remote_models: false,
+            refuse_remote_models: true,
             max_passthrough: 64,
         }
     }
@@ -330,6 +402,8 @@ impl Default for MetricsConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 9464)),
             max_connections: 32,
             header_read_timeout_ms: 5_000,
+            bearer_token_file: None,
+            bearer: None,
         }
     }
 }
@@ -454,10 +528,33 @@ impl Config {
             let message = err.inner().message().to_owned();
             ConfigError::invalid(file, text, &key, span, message)
         })?;
-        config.validate().map_err(|invalid| {
+        let mut config = config;
+        let fail = |invalid: validate::Invalid| {
             ConfigError::invalid(file, text, &invalid.key, None, invalid.message)
-        })?;
+        };
+        config.validate().map_err(fail)?;
+        config
+            .resolve(file.parent().unwrap_or(Path::new(".")))
+            .map_err(fail)?;
         Ok(config)
+    }
+
+    /// Where the config at `path` keeps throttle records, read as leniently as can be: a
+    /// config that fails validation still names its state dir, and anything unreadable means
+    /// the default. For restoring cgroups before a config is known to be good.
+    pub fn state_dir_of(path: Option<&Path>) -> PathBuf {
+        #[derive(Deserialize)]
+        struct Lenient {
+            risk: Option<LenientRisk>,
+        }
+        #[derive(Deserialize)]
+        struct LenientRisk {
+            state_dir: Option<PathBuf>,
+        }
+        path.and_then(|p| std::fs::read_to_string(p).ok())
+            .and_then(|text| toml::from_str::<Lenient>(&text).ok())
+            .and_then(|config| config.risk?.state_dir)
+            .unwrap_or_else(|| RiskConfig::default().state_dir)
     }
 
     /// The class names, comma-separated, for error messages.

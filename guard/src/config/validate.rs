@@ -1,7 +1,10 @@
 //! What the types alone cannot check: every limit and duration within a range that means what
 //! `deploy/guard.example.toml` says, names that exist, patterns that compile.
 
-use super::{Config, RuleConfig, parse_cidr};
+use std::path::Path;
+
+use super::{Config, ResolvedRule, RuleConfig, UidSpec, parse_cidr};
+use crate::secret::Secret;
 
 /// The longest duration any `_ms` key may name: a week. Longer is surely a typo, and keeps
 /// every deadline guard computes far from overflow.
@@ -157,6 +160,8 @@ impl Config {
             Range::new("watch.interval_ms", self.watch.interval_ms, 100, MAX_MS),
             Range::new("watch.cold_load_ms", self.watch.cold_load_ms, 0, MAX_MS),
             Range::new("risk.hold_ms", self.risk.hold_ms, 0, MAX_MS),
+            Range::new("risk.max_throttle_ms", self.risk.max_throttle_ms, 1, MAX_MS),
+            Range::new("risk.min_release_ms", self.risk.min_release_ms, 0, MAX_MS),
             Range::new(
                 "risk.ttft_min_samples",
                 self.risk.ttft_min_samples as u64,
@@ -282,24 +287,106 @@ impl Config {
     }
 }
 
+impl Config {
+    /// Reads what the config names but does not hold: bearer tokens (from digests and files,
+    /// relative to `dir`, the config's folder) and user names.
+    pub(super) fn resolve(&mut self, dir: &Path) -> Result<(), Invalid> {
+        if let Some(file) = &self.metrics.bearer_token_file {
+            let secret = Secret::from_file(&dir.join(file))
+                .map_err(|message| Invalid::new("metrics.bearer_token_file", message))?;
+            self.metrics.bearer = Some(secret);
+        }
+        for (index, rule) in self.classify.rule.iter_mut().enumerate() {
+            rule.resolved = rule.resolve(dir).map_err(|field| Invalid {
+                key: format!("classify.rule[{index}].{}", field.key),
+                message: field.message,
+            })?;
+        }
+        Ok(())
+    }
+}
+
 impl RuleConfig {
+    fn resolve(&self, dir: &Path) -> Result<ResolvedRule, Invalid> {
+        let bearer = match (&self.bearer, &self.bearer_sha256, &self.bearer_file) {
+            (Some(token), None, None) => Some(Secret::of(token)),
+            (None, Some(digest), None) => {
+                Some(Secret::from_hex(digest).map_err(|m| Invalid::new("bearer_sha256", m))?)
+            }
+            (None, None, Some(file)) => Some(
+                Secret::from_file(&dir.join(file)).map_err(|m| Invalid::new("bearer_file", m))?,
+            ),
+            (None, None, None) => None,
+            _ => {
+                return Err(Invalid::new(
+                    "bearer",
+                    "give one of bearer, bearer_sha256 and bearer_file",
+                ));
+            }
+        };
+        let uid = match &self.uid {
+            None => None,
+            Some(UidSpec::Id(id)) => Some(*id),
+            Some(UidSpec::Name(name)) => Some(
+                nix::unistd::User::from_name(name)
+                    .ok()
+                    .flatten()
+                    .ok_or_else(|| {
+                        Invalid::new("uid", format!("no user `{}`", crate::quote::quote(name)))
+                    })?
+                    .uid
+                    .as_raw(),
+            ),
+        };
+        Ok(ResolvedRule { bearer, uid })
+    }
+
     /// Checks that the rule matches on something and that its patterns compile.
     fn check(&self) -> Result<(), Invalid> {
         let matchers = [
-            &self.path_prefix,
-            &self.model,
-            &self.bearer,
-            &self.user_agent,
-            &self.source,
-            &self.cgroup_prefix,
+            self.path_prefix.is_some(),
+            self.model.is_some(),
+            self.bearer.is_some() || self.bearer_sha256.is_some() || self.bearer_file.is_some(),
+            self.user_agent.is_some(),
+            self.source.is_some(),
+            self.cgroup_prefix.is_some(),
+            self.uid.is_some(),
+            self.unit.is_some(),
+            self.exe.is_some(),
+            self.header.is_some(),
         ];
-        if matchers.iter().all(|m| m.is_none()) {
+        if !matchers.contains(&true) {
             return Err(Invalid::new(
                 "class",
-                "a rule needs one of path_prefix, model, bearer, user_agent, source, cgroup_prefix",
+                "a rule needs one of path_prefix, model, bearer, bearer_sha256, bearer_file, \
+                 user_agent, source, cgroup_prefix, uid, unit, exe, header",
             ));
         }
-        for (field, glob) in [("model", &self.model), ("user_agent", &self.user_agent)] {
+        if let Some(unit) = &self.unit
+            && (unit.is_empty() || unit.contains('/'))
+        {
+            return Err(Invalid::new(
+                "unit",
+                "name one unit or slice, e.g. `nightly-extract.service` (no `/`)",
+            ));
+        }
+        if let Some(header) = &self.header
+            && http::HeaderName::try_from(header.name.as_str()).is_err()
+        {
+            return Err(Invalid::new("header.name", "not a header name"));
+        }
+        if self
+            .name
+            .as_ref()
+            .is_some_and(|n| n.is_empty() || n.len() > 64)
+        {
+            return Err(Invalid::new("name", "give 1 to 64 characters"));
+        }
+        for (field, glob) in [
+            ("model", &self.model),
+            ("user_agent", &self.user_agent),
+            ("exe", &self.exe),
+        ] {
             if let Some(glob) = glob {
                 globset::Glob::new(glob).map_err(|err| Invalid::new(field, err.to_string()))?;
             }

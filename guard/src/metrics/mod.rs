@@ -55,6 +55,7 @@ pub struct Metrics {
     pub class_deadline_seconds: prometheus::GaugeVec,
     pub remote_refused_total: IntCounterVec,
     pub class_throttled: IntGaugeVec,
+    pub throttle_changes_total: IntCounterVec,
     pub at_risk: IntGaugeVec,
     pub body_bytes_in_flight: IntGauge,
     pub connections: IntGauge,
@@ -192,8 +193,13 @@ impl Metrics {
             .expect("valid gauge"),
             remote_refused_total: counter_vec(
                 "guard_remote_refused_total",
-                "Requests refused (403) because their model is served from elsewhere (upstream.refuse_remote_models).",
-                &["model"],
+                "Requests refused (403) because their model is served from elsewhere and their class may not ask for that (allow_remote_models).",
+                &["class", "model"],
+            ),
+            throttle_changes_total: counter_vec(
+                "guard_throttle_changes_total",
+                "Holds and releases of a class's cgroup, by reason (at_risk, risk_clear, max_throttle, shutdown).",
+                &["class", "change", "reason"],
             ),
             class_throttled: gauge_vec(
                 "guard_class_throttled",
@@ -253,6 +259,7 @@ impl Metrics {
             Box::new(self.class_deadline_seconds.clone()),
             Box::new(self.remote_refused_total.clone()),
             Box::new(self.class_throttled.clone()),
+            Box::new(self.throttle_changes_total.clone()),
             Box::new(self.at_risk.clone()),
             Box::new(self.body_bytes_in_flight.clone()),
             Box::new(self.connections.clone()),

@@ -16,10 +16,12 @@ use crate::listen::{Accepted, Acceptor, Arrival};
 pub type StatusFn = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// How the metrics listener is bounded: scrapers are few, and none may hold it up.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Limits {
     pub max_connections: usize,
     pub header_read_timeout: Duration,
+    /// The token both endpoints then require (`metrics.bearer_token_file`).
+    pub bearer: Option<crate::secret::Secret>,
 }
 
 /// Serves until the task is dropped. Connections over the cap are closed at once; a scraper
@@ -37,9 +39,13 @@ pub async fn serve(listener: TcpListener, metrics: Metrics, status: StatusFn, li
         };
         let metrics = metrics.clone();
         let status = Arc::clone(&status);
+        let bearer = limits.bearer.clone();
         tokio::spawn(async move {
             let service = service_fn(move |request| {
-                let response = respond(&request, &metrics, &status);
+                let response = match &bearer {
+                    Some(secret) if !secret.authorizes(request.headers()) => unauthorized(),
+                    _ => respond(&request, &metrics, &status),
+                };
                 async move { Ok::<_, Infallible>(response) }
             });
             if let Err(err) = http1::Builder::new()
@@ -86,6 +92,19 @@ fn respond(
             "not found: try /metrics or /status\n",
         ),
     }
+}
+
+/// 401: the token is missing or wrong (the same answer for both, and nothing else said).
+fn unauthorized() -> Response<Full<Bytes>> {
+    let mut response = plain(
+        StatusCode::UNAUTHORIZED,
+        "send Authorization: Bearer TOKEN (metrics.bearer_token_file)\n",
+    );
+    response.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        http::HeaderValue::from_static("Bearer"),
+    );
+    response
 }
 
 fn plain(status: StatusCode, text: &'static str) -> Response<Full<Bytes>> {

@@ -51,10 +51,11 @@ pub enum ProxyError {
         retry_after: Duration,
     },
     #[error(
-        "model `{model}` is served from elsewhere (a remote or cloud model) and \
-         upstream.refuse_remote_models is set: the request would leave this machine"
+        "model `{model}` is served from elsewhere (a remote or cloud model) and class {class} \
+         may not ask for that (class.{class}.allow_remote_models): the request would leave \
+         this machine"
     )]
-    RemoteModel { model: String },
+    RemoteModel { class: String, model: String },
     #[error(transparent)]
     Upstream(#[from] UpstreamError),
     #[error("upstream unreachable")]

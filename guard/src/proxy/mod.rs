@@ -24,7 +24,7 @@ pub use error::{ErrorShape, ProxyError};
 pub use serve::{serve, serve_connection, stop_requested};
 
 use crate::{
-    classify::Classifier,
+    classify::{Classifier, Tally},
     config::{Api, ClassTimeouts, Config},
     metrics::Metrics,
     proxy::outcome::Invalid,
@@ -43,7 +43,8 @@ struct Settings {
     classifier: Classifier,
     api: Api,
     body_limit: u64,
-    refuse_remote_models: bool,
+    /// The classes that may ask for a model served elsewhere.
+    remote_allowed: std::collections::BTreeSet<String>,
     cold_load: Duration,
     timeouts: BTreeMap<String, ClassTimeouts>,
     default_class: String,
@@ -80,6 +81,7 @@ pub struct Proxy {
     passing: Arc<std::sync::atomic::AtomicU32>,
     max_connections: usize,
     ttft: Arc<crate::throttle::ttft::TtftWindow>,
+    tally: Arc<Tally>,
 }
 
 /// The shared pieces a proxy is built from.
@@ -91,6 +93,8 @@ pub struct Parts {
     pub watched: Arc<Watched>,
     /// Where first-byte times go for the risk detector.
     pub ttft: Arc<crate::throttle::ttft::TtftWindow>,
+    /// Where classification decisions are counted.
+    pub tally: Arc<Tally>,
 }
 
 impl Proxy {
@@ -112,6 +116,8 @@ impl Proxy {
         parts
             .connections
             .set_half_close_means_gone(config.server.half_close_means_gone);
+        let settings = Settings::from(config);
+        parts.tally.prepare(&settings.classifier);
         Ok(Self {
             upstream: Client::new(&config.upstream),
             connector: Connector::new(dial),
@@ -119,7 +125,7 @@ impl Proxy {
             scheduler: parts.scheduler,
             connections: parts.connections,
             tracker: parts.tracker,
-            settings: RwLock::new(Arc::new(Settings::from(config))),
+            settings: RwLock::new(Arc::new(settings)),
             header_read_timeout: config.header_read_timeout(),
             listen: config.server.listen,
             remote_models: parts.watched,
@@ -130,6 +136,7 @@ impl Proxy {
             passing: Arc::default(),
             max_connections: config.server.max_connections as usize,
             ttft: parts.ttft,
+            tally: parts.tally,
             metrics: parts.metrics,
         })
     }
@@ -145,10 +152,12 @@ impl Proxy {
         self.remote_models.set_named_models(config);
         self.connections
             .set_half_close_means_gone(config.server.half_close_means_gone);
+        let settings = Settings::from(config);
+        self.tally.prepare(&settings.classifier);
         *self
             .settings
             .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(Settings::from(config));
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(settings);
     }
 
     fn settings(&self) -> Arc<Settings> {
@@ -239,7 +248,16 @@ impl From<&Config> for Settings {
             classifier: Classifier::new(config),
             api: config.upstream.api,
             body_limit: config.server.body_limit_bytes,
-            refuse_remote_models: config.upstream.refuse_remote_models,
+            remote_allowed: config
+                .class
+                .iter()
+                .filter(|(_, class)| {
+                    class
+                        .allow_remote_models
+                        .unwrap_or(!config.upstream.refuse_remote_models)
+                })
+                .map(|(name, _)| name.clone())
+                .collect(),
             cold_load: Duration::from_millis(config.watch.cold_load_ms),
             timeouts: config
                 .class

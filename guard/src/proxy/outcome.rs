@@ -111,8 +111,9 @@ impl FailKind {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
     Invalid(Invalid),
-    /// Its model is served from elsewhere and the config refuses that (403).
+    /// Its model is served from elsewhere and its class may not ask for that (403).
     Refused {
+        class: String,
         model: String,
     },
     Rejected {
@@ -230,9 +231,9 @@ impl Outcome {
                 which: Timeout::BodyRead,
                 ..
             } => invalid(metrics, "body_read_timeout"),
-            Self::Refused { model } => metrics
+            Self::Refused { class, model } => metrics
                 .remote_refused_total
-                .with_label_values(&[model])
+                .with_label_values(&[class, model])
                 .inc(),
             _ => {}
         }

@@ -71,6 +71,8 @@ pub struct ConnOwner {
     pub tgid: u32,
     /// cgroup v2 id: the inode number of the cgroup's directory.
     pub cgroup_id: u64,
+    /// The connecting task's real uid.
+    pub uid: u32,
 }
 
 /// guard's attached eBPF program and its maps. Dropping it detaches everything.
@@ -84,10 +86,22 @@ pub struct EbpfTracker {
     _ebpf: Ebpf,
 }
 
+/// The program loaded and attached, its maps taken, nothing read yet: the privileged half of
+/// the start, done before any thread exists so that the capabilities it needed can be dropped
+/// for every thread.
+pub struct Loaded {
+    ebpf: Ebpf,
+    logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
+    watched: HashMap<MapData, u16, u8>,
+    owners: HashMap<MapData, OwnerKey, Owner>,
+    counters: PerCpuArray<MapData, u64>,
+    ring: RingBuf<MapData>,
+}
+
 impl EbpfTracker {
-    /// Loads and attaches the program, watching `ports`. The receiver yields every state change
-    /// of a connection on a watched port (either end local). Needs a tokio runtime.
-    pub fn attach(ports: &[u16]) -> Result<(Arc<Self>, mpsc::Receiver<ConnEvent>), EbpfError> {
+    /// Loads and attaches the program, watching `ports`. Needs no runtime; `Loaded::start`
+    /// then begins reading.
+    pub fn load(ports: &[u16]) -> Result<Loaded, EbpfError> {
         check_capabilities()?;
         let tracefs = mounts::ensure_tracefs().map_err(EbpfError::Tracefs)?;
         if let Err(err) = mounts::ensure_bpffs() {
@@ -100,11 +114,9 @@ impl EbpfTracker {
             env!("OUT_DIR"),
             "/guard-ebpf"
         )))?;
-        let mut tasks = Vec::new();
-        match aya_log::EbpfLogger::init(&mut ebpf) {
-            Ok(logger) => tasks.push(tokio::spawn(forward_logs(logger))),
-            Err(err) => tracing::warn!(%err, "eBPF log records will not be shown"),
-        }
+        let logger = aya_log::EbpfLogger::init(&mut ebpf)
+            .inspect_err(|err| tracing::warn!(%err, "eBPF log records will not be shown"))
+            .ok();
         let mut watched: HashMap<MapData, u16, u8> = take_map(&mut ebpf, "WATCHED_PORTS")?;
         for &port in ports {
             watched
@@ -124,17 +136,22 @@ impl EbpfTracker {
 
         // Loading parsed the kernel's BTF (megabytes) on the heap: hand it back.
         crate::memory::trim();
-        let (sender, receiver) = mpsc::channel(CHANNEL_CAPACITY);
-        tasks.push(tokio::spawn(read_events(register(ring)?, sender)));
-        let tracker = Self {
-            _watched: watched,
+        Ok(Loaded {
+            ebpf,
+            logger,
+            watched,
             owners,
             counters,
-            tasks,
-            _ebpf: ebpf,
-        };
-        Ok((Arc::new(tracker), receiver))
+            ring,
+        })
     }
+
+    /// Loads, attaches and starts reading at once (for tests and tools that hold no
+    /// capabilities to drop). Needs a tokio runtime.
+    pub fn attach(ports: &[u16]) -> Result<(Arc<Self>, mpsc::Receiver<ConnEvent>), EbpfError> {
+        Self::load(ports)?.start()
+    }
+
     /// Who opened the connection whose client end is `client` (a local process connecting to
     /// a watched port), where the kernel saw its `connect()`.
     pub fn owner(&self, client: SocketAddr) -> Option<ConnOwner> {
@@ -145,6 +162,7 @@ impl EbpfTracker {
                 pid: owner.pid,
                 tgid: owner.tgid,
                 cgroup_id: owner.cgroup_id,
+                uid: owner.uid,
             })
     }
 
@@ -163,6 +181,27 @@ impl EbpfTracker {
             .get(&index, 0)
             .map(|per_cpu| per_cpu.iter().sum())
             .unwrap_or(0)
+    }
+}
+
+impl Loaded {
+    /// Starts reading: the receiver yields every state change of a connection on a watched
+    /// port (either end local). Needs a tokio runtime; no capability.
+    pub fn start(self) -> Result<(Arc<EbpfTracker>, mpsc::Receiver<ConnEvent>), EbpfError> {
+        let mut tasks = Vec::new();
+        if let Some(logger) = self.logger {
+            tasks.push(tokio::spawn(forward_logs(logger)));
+        }
+        let (sender, receiver) = mpsc::channel(CHANNEL_CAPACITY);
+        tasks.push(tokio::spawn(read_events(register(self.ring)?, sender)));
+        let tracker = EbpfTracker {
+            _watched: self.watched,
+            owners: self.owners,
+            counters: self.counters,
+            tasks,
+            _ebpf: self.ebpf,
+        };
+        Ok((Arc::new(tracker), receiver))
     }
 }
 

@@ -3,10 +3,10 @@
 pub mod ebpf;
 pub mod event;
 mod mounts;
-pub mod owner;
+pub mod peer;
 pub mod reaper;
 pub mod registry;
 pub mod userspace;
 
-pub use ebpf::{ConnOwner, EbpfError, EbpfTracker};
+pub use ebpf::{ConnOwner, EbpfError, EbpfTracker, Loaded};
 pub use event::{ConnEvent, TcpState};

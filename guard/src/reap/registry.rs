@@ -22,6 +22,8 @@ pub struct Connection {
     gone_at: Mutex<Option<Duration>>,
     /// Close by reading (and dropping) what the client still sends, for a while.
     linger: std::sync::atomic::AtomicBool,
+    /// The client's process, looked up once, when a rule first asks.
+    process: std::sync::OnceLock<Option<Arc<super::peer::Peer>>>,
 }
 
 impl Connection {
@@ -41,6 +43,14 @@ impl Connection {
     pub fn linger(&self) {
         self.linger
             .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The client's process: `look_up` runs once per connection, on first ask.
+    pub fn process(
+        &self,
+        look_up: impl FnOnce() -> Option<super::peer::Peer>,
+    ) -> Option<Arc<super::peer::Peer>> {
+        self.process.get_or_init(|| look_up().map(Arc::new)).clone()
     }
 
     pub fn lingers(&self) -> bool {
@@ -94,6 +104,7 @@ impl Registry {
             cancel: CancellationToken::new(),
             gone_at: Mutex::new(None),
             linger: std::sync::atomic::AtomicBool::new(false),
+            process: std::sync::OnceLock::new(),
         });
         self.lock().insert(peer, Arc::clone(&connection));
         connection

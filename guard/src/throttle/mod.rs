@@ -6,6 +6,8 @@ pub mod risk;
 pub mod state;
 pub mod ttft;
 
+use std::time::{Duration, Instant};
+
 use crate::{config::Config, metrics::Metrics};
 use cgroup::Cgroup;
 use state::{Record, StateError};
@@ -23,7 +25,50 @@ struct Target {
     class: String,
     cgroup: Cgroup,
     record: Record,
-    throttled: bool,
+    /// Since when the cgroup is held back, if it is.
+    held_since: Option<Instant>,
+    /// When it was last let go: it runs at least `min_release` from then.
+    released_at: Option<Instant>,
+}
+
+/// Why a class's cgroup was held back or let go (the `reason` label, and the log).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// A protected class's deadline is at risk.
+    AtRisk,
+    /// Risk has been clear for `risk.hold_ms`.
+    RiskClear,
+    /// The hold reached `risk.max_throttle_ms`.
+    MaxThrottle,
+    /// guard is stopping.
+    Shutdown,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::AtRisk => "at_risk",
+            Self::RiskClear => "risk_clear",
+            Self::MaxThrottle => "max_throttle",
+            Self::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// How long a hold may last, and how long a class runs free between two.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub max_throttle: Duration,
+    pub min_release: Duration,
+}
+
+impl Limits {
+    pub fn of(config: &Config) -> Self {
+        Self {
+            max_throttle: Duration::from_millis(config.risk.max_throttle_ms),
+            min_release: Duration::from_millis(config.risk.min_release_ms),
+        }
+    }
 }
 
 /// Every class with a cgroup and a throttle mode.
@@ -51,65 +96,95 @@ impl Throttler {
                 class: name.clone(),
                 cgroup,
                 record,
-                throttled: false,
+                held_since: None,
+                released_at: None,
             });
         }
         // Every class, throttleable or not, shows as not held back from the start.
         for name in config.class.keys() {
             metrics.class_throttled.with_label_values(&[name]).set(0);
+            for (change, reason) in CHANGES {
+                metrics
+                    .throttle_changes_total
+                    .with_label_values(&[name, change, reason.as_str()]);
+            }
         }
         Ok(Self {
             targets,
             metrics: metrics.clone(),
         })
     }
+
     /// The classes whose cgroups are held back now.
     pub fn throttled(&self) -> Vec<String> {
         self.targets
             .iter()
-            .filter(|t| t.throttled)
+            .filter(|t| t.held_since.is_some())
             .map(|t| t.class.clone())
             .collect()
     }
 
-    /// Holds back every class whose priority is above `protect_priority`.
-    pub fn throttle(&mut self, config: &Config) {
+    /// Holds back every class whose priority is above `protect_priority`, except one let go
+    /// less than `min_release` ago.
+    pub fn throttle(&mut self, config: &Config, now: Instant) {
+        let min_release = Limits::of(config).min_release;
         for target in &mut self.targets {
             let protected = config
                 .class
                 .get(&target.class)
                 .is_none_or(|c| c.priority <= config.risk.protect_priority);
-            if protected || target.throttled {
+            let resting = target
+                .released_at
+                .is_some_and(|at| now.duration_since(at) < min_release);
+            if protected || resting || target.held_since.is_some() {
                 continue;
             }
             match throttle_one(target) {
                 Ok(()) => {
-                    target.throttled = true;
-                    self.metrics
-                        .class_throttled
-                        .with_label_values(&[&target.class])
-                        .set(1);
-                    tracing::info!(class = target.class, cgroup = %target.cgroup.path.display(), "throttled");
+                    target.held_since = Some(now);
+                    changed(&self.metrics, &target.class, "hold", Reason::AtRisk);
+                    tracing::info!(class = target.class, cgroup = %target.cgroup.path.display(), reason = Reason::AtRisk.as_str(), "throttled");
                 }
                 Err(err) => tracing::error!(class = target.class, %err, "could not throttle"),
             }
         }
     }
 
+    /// Lets go every hold that has lasted `max_throttle`.
+    pub fn release_overdue(&mut self, limits: Limits, now: Instant) {
+        self.release(Reason::MaxThrottle, now, |since| {
+            now.duration_since(since) >= limits.max_throttle
+        });
+    }
+
+    /// When the next hold reaches `max_throttle`, if any is held.
+    pub fn next_deadline(&self, limits: Limits) -> Option<Instant> {
+        self.targets
+            .iter()
+            .filter_map(|t| t.held_since)
+            .min()
+            .map(|since| since + limits.max_throttle)
+    }
+
     /// Puts every throttled cgroup back as it was.
-    pub fn restore(&mut self) {
+    pub fn restore(&mut self, reason: Reason) {
+        self.release(reason, Instant::now(), |_| true);
+    }
+
+    fn release(&mut self, reason: Reason, now: Instant, due: impl Fn(Instant) -> bool) {
         for target in &mut self.targets {
-            if !target.throttled {
+            if !target.held_since.is_some_and(&due) {
                 continue;
             }
             match restore_one(target) {
                 Ok(()) => {
-                    target.throttled = false;
-                    self.metrics
-                        .class_throttled
-                        .with_label_values(&[&target.class])
-                        .set(0);
-                    tracing::info!(class = target.class, cgroup = %target.cgroup.path.display(), "restored");
+                    let held_ms = target.held_since.map_or(0, |since| {
+                        now.saturating_duration_since(since).as_millis() as u64
+                    });
+                    target.held_since = None;
+                    target.released_at = Some(now);
+                    changed(&self.metrics, &target.class, "release", reason);
+                    tracing::info!(class = target.class, cgroup = %target.cgroup.path.display(), reason = reason.as_str(), held_ms, "restored");
                 }
                 Err(err) => tracing::error!(class = target.class, %err, "could not restore"),
             }
@@ -117,9 +192,29 @@ impl Throttler {
     }
 }
 
+/// Counts a hold or release and sets the class's gauge.
+fn changed(metrics: &Metrics, class: &str, change: &str, reason: Reason) {
+    metrics
+        .throttle_changes_total
+        .with_label_values(&[class, change, reason.as_str()])
+        .inc();
+    metrics
+        .class_throttled
+        .with_label_values(&[class])
+        .set(i64::from(change == "hold"));
+}
+
+/// Every (change, reason) pair that can happen, for series at zero.
+const CHANGES: [(&str, Reason); 4] = [
+    ("hold", Reason::AtRisk),
+    ("release", Reason::RiskClear),
+    ("release", Reason::MaxThrottle),
+    ("release", Reason::Shutdown),
+];
+
 impl Drop for Throttler {
     fn drop(&mut self) {
-        self.restore();
+        self.restore(Reason::Shutdown);
     }
 }
 
@@ -133,19 +228,10 @@ fn throttle_one(target: &mut Target) -> Result<(), StateError> {
 
 fn restore_one(target: &mut Target) -> Result<(), StateError> {
     if let Some(original) = target.record.saved()? {
-        target
-            .cgroup
-            .write(&restore_value(&target.cgroup, &original))?;
+        target.cgroup.write(&state::restore_value(
+            &target.cgroup.control.file,
+            &original,
+        ))?;
     }
     target.record.clear()
-}
-
-/// The value to write back: what was read, in the form the file accepts. (cpu.max reads as
-/// "max 100000" and accepts that; freezer.state reads FREEZING mid-transition.)
-fn restore_value(cgroup: &Cgroup, original: &str) -> String {
-    if cgroup.control.file.ends_with("freezer.state") && original != "FROZEN" {
-        "THAWED".to_owned()
-    } else {
-        original.to_owned()
-    }
 }

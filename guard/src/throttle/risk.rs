@@ -11,7 +11,7 @@ use std::{
 
 use tokio::time::Instant;
 
-use super::{Throttler, ttft::TtftWindow};
+use super::{Limits, Reason, Throttler, ttft::TtftWindow};
 use crate::{config::Config, metrics::Metrics, queue::Scheduler, watch::Watched};
 
 /// A signal may clear only below this share of its threshold.
@@ -226,7 +226,14 @@ pub async fn run(mut configs: tokio::sync::watch::Receiver<Config>, detector: De
     let mut protected = protected_classes(&config);
     let mut ticks = tokio::time::interval(TICK);
     loop {
-        ticks.tick().await;
+        let limits = Limits::of(&config);
+        // Woken at the next tick, or sooner where a hold reaches max_throttle_ms then.
+        let overdue = lock(&throttler).next_deadline(limits);
+        tokio::select! {
+            _ = ticks.tick() => {}
+            () = sleep_until(overdue) => {}
+        }
+        lock(&throttler).release_overdue(limits, Instant::now().into_std());
         if configs.has_changed().unwrap_or(false) {
             config = configs.borrow_and_update().clone();
             protected = protected_classes(&config);
@@ -267,7 +274,6 @@ pub async fn run(mut configs: tokio::sync::watch::Receiver<Config>, detector: De
                     "at risk: holding back lower classes and throttling their cgroups"
                 );
                 scheduler.hold_above(Some(config.risk.protect_priority));
-                lock(&throttler).throttle(&config);
             }
             Some(Change::Exit) => {
                 tracing::info!(
@@ -275,10 +281,22 @@ pub async fn run(mut configs: tokio::sync::watch::Receiver<Config>, detector: De
                     "risk clear: dispatch resumes, cgroups restored"
                 );
                 scheduler.hold_above(None);
-                lock(&throttler).restore();
+                lock(&throttler).restore(Reason::RiskClear);
             }
             None => {}
         }
+        // At risk: hold back what is not resting after a release.
+        if state.at_risk {
+            lock(&throttler).throttle(&config, Instant::now().into_std());
+        }
+    }
+}
+
+/// Sleeps until `deadline`, or forever without one.
+async fn sleep_until(deadline: Option<std::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(Instant::from_std(deadline)).await,
+        None => std::future::pending().await,
     }
 }
 

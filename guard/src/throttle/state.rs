@@ -1,6 +1,7 @@
-//! Crash-safe throttling: before guard changes a cgroup control file it records the original
-//! value in a state file of its own, locked for as long as guard runs. A later start finds a
-//! record left by a crash and restores it. The lock also keeps two guards off one cgroup.
+//! Crash-safe throttling: before guard changes a cgroup control file it records the file and
+//! its original value in a state file of its own, locked for as long as guard runs. A later
+//! start, or `guard restore` with no config at all, finds a record left by a crash and puts
+//! the value back. The lock also keeps two guards off one cgroup.
 
 use std::{
     fs::File,
@@ -36,7 +37,20 @@ pub enum StateError {
 pub struct Record {
     file: File,
     path: PathBuf,
+    control: PathBuf,
 }
+
+/// What a record file holds while a change is outstanding.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Saved {
+    /// The control file guard changed.
+    control: PathBuf,
+    /// Its value before.
+    original: String,
+}
+
+/// State files end in this.
+const SUFFIX: &str = ".orig";
 
 impl Record {
     /// Locks the record for `control` in `dir`; restores a value a crashed guard left behind.
@@ -50,7 +64,7 @@ impl Record {
             .chars()
             .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
             .collect();
-        let path = dir.join(format!("{name}.orig"));
+        let path = dir.join(format!("{name}{SUFFIX}"));
         let io = |source| StateError::Io {
             file: path.clone(),
             source,
@@ -73,9 +87,13 @@ impl Record {
             }
             Err(std::fs::TryLockError::Error(source)) => return Err(io(source)),
         }
-        let mut record = Self { file, path };
+        let mut record = Self {
+            file,
+            path,
+            control: control.to_owned(),
+        };
         if let Some(original) = record.saved()? {
-            cgroup::write(control, &original)?;
+            cgroup::write(control, &restore_value(control, &original))?;
             tracing::warn!(file = %control.display(), %original, "restored a cgroup value left changed by an earlier guard that did not exit cleanly");
             record.clear()?;
         }
@@ -92,7 +110,14 @@ impl Record {
                 file: self.path.clone(),
                 source,
             })?;
-        Ok((!text.is_empty()).then(|| text.trim_end_matches('\n').to_owned()))
+        if text.is_empty() {
+            return Ok(None);
+        }
+        let saved: Saved = serde_json::from_str(&text).map_err(|err| StateError::Io {
+            file: self.path.clone(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidData, err),
+        })?;
+        Ok(Some(saved.original))
     }
 
     /// Records `original` durably, before the control file is changed.
@@ -101,9 +126,14 @@ impl Record {
             file: self.path.clone(),
             source,
         };
+        let saved = Saved {
+            control: self.control.clone(),
+            original: original.to_owned(),
+        };
+        let text = serde_json::to_string(&saved).map_err(|err| io(std::io::Error::other(err)))?;
         self.file.set_len(0).map_err(io)?;
         self.file.rewind().map_err(io)?;
-        self.file.write_all(original.as_bytes()).map_err(io)?;
+        self.file.write_all(text.as_bytes()).map_err(io)?;
         self.file.sync_all().map_err(io)
     }
 
@@ -113,5 +143,125 @@ impl Record {
             file: self.path.clone(),
             source,
         })
+    }
+}
+
+/// The value to write back: what was read, in the form the file accepts. (cpu.max reads as
+/// "max 100000" and accepts that; freezer.state reads FREEZING mid-transition.)
+pub fn restore_value(control: &Path, original: &str) -> String {
+    if control.ends_with("freezer.state") && original != "FROZEN" {
+        "THAWED".to_owned()
+    } else {
+        original.to_owned()
+    }
+}
+
+/// What `restore_dir` did with one record.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Restored {
+    /// The control file has its original value again.
+    Put {
+        control: PathBuf,
+        original: String,
+    },
+    /// A running guard holds the record's lock: it restores its own.
+    Held {
+        record: PathBuf,
+    },
+    Failed {
+        record: PathBuf,
+        reason: String,
+    },
+}
+
+/// Puts back every value recorded in `dir` that no running guard holds, reading no config:
+/// what `guard restore` (and `guard run`, first) does after a crash. A missing dir holds
+/// nothing.
+pub fn restore_dir(dir: &Path) -> Vec<Restored> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut records: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.to_string_lossy().ends_with(SUFFIX))
+        .collect();
+    records.sort();
+    records
+        .into_iter()
+        .filter_map(|record| restore_file(&record).transpose())
+        .map(|result| result.unwrap_or_else(|failed| failed))
+        .collect()
+}
+
+/// Restores one record file; None where it records nothing outstanding.
+fn restore_file(record: &Path) -> Result<Option<Restored>, Restored> {
+    let failed = |reason: String| Restored::Failed {
+        record: record.to_owned(),
+        reason,
+    };
+    let mut file = File::options()
+        .read(true)
+        .write(true)
+        .open(record)
+        .map_err(|e| failed(e.to_string()))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            return Ok(Some(Restored::Held {
+                record: record.to_owned(),
+            }));
+        }
+        Err(std::fs::TryLockError::Error(e)) => return Err(failed(e.to_string())),
+    }
+    let mut text = String::new();
+    file.read_to_string(&mut text)
+        .map_err(|e| failed(e.to_string()))?;
+    if text.is_empty() {
+        return Ok(None);
+    }
+    let saved: Saved = serde_json::from_str(&text).map_err(|e| failed(e.to_string()))?;
+    cgroup::write(
+        &saved.control,
+        &restore_value(&saved.control, &saved.original),
+    )
+    .map_err(|e| failed(e.to_string()))?;
+    file.set_len(0).map_err(|e| failed(e.to_string()))?;
+    Ok(Some(Restored::Put {
+        control: saved.control,
+        original: saved.original,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_left_behind_is_put_back_with_no_config_and_a_held_one_is_left_alone() {
+        let dir = std::env::temp_dir().join(format!("guard-state-{}", std::process::id()));
+        let state = dir.join("state");
+        std::fs::create_dir_all(&state).expect("dir");
+        let control = dir.join("cgroup.freeze");
+        std::fs::write(&control, "0").expect("control");
+        {
+            let mut record = Record::open(&state, &dir, &control).expect("record");
+            record.save("0").expect("save");
+            std::fs::write(&control, "1").expect("throttle");
+            // While a guard holds it, restore leaves it to that guard.
+            assert!(matches!(restore_dir(&state)[..], [Restored::Held { .. }]));
+            assert_eq!(std::fs::read_to_string(&control).expect("read"), "1");
+            // A crash: the lock goes with the process, the record stays.
+        }
+        assert_eq!(
+            restore_dir(&state),
+            [Restored::Put {
+                control: control.clone(),
+                original: "0".to_owned()
+            }]
+        );
+        assert_eq!(std::fs::read_to_string(&control).expect("read"), "0");
+        assert_eq!(restore_dir(&state), [], "nothing is left to restore");
+        std::fs::remove_dir_all(&dir).expect("clean up");
     }
 }

@@ -2,8 +2,6 @@
 //! admit it, wait for its turn, forward it, relay the answer. Each returns the ending that
 //! stops the request, if it does.
 
-use std::sync::OnceLock;
-
 use bytes::Bytes;
 use http::{Request, request};
 use http_body_util::BodyExt as _;
@@ -19,7 +17,7 @@ use crate::{
     },
     queue::{Job, RejectReason, Ticket},
     quote::quote,
-    reap::owner::client_cgroup,
+    reap::peer::peer_of,
     upstream::{asks::Asks, exchange::Exchange},
 };
 
@@ -67,21 +65,21 @@ fn too_large(limit: u64) -> Ending {
 impl QueuedRequest {
     pub(super) async fn phases(&mut self, request: Request<Incoming>) -> Phase<Ending> {
         let (head, body) = request.into_parts();
-        let cgroup = OnceLock::new();
         // Until the body is read, the class is the one the head alone points to (rules on the
         // model need the body): its body-read limit applies.
-        if let Ok(class) = self.decide(&head, None, &cgroup) {
+        if let Ok(class) = self.decide(&head, None, false) {
             self.timeouts = self.settings.timeouts(&class);
             self.class = Some(class);
         }
         let bytes = Box::pin(self.read_body(&head, body)).await?;
-        let asks = self.inspect(&bytes)?;
+        let asks = Asks::read(&bytes);
         let class = self
-            .decide(&head, asks.model.as_deref(), &cgroup)
+            .decide(&head, asks.model.as_deref(), true)
             .map_err(|err| Ending::new(Outcome::Invalid(Invalid::UnknownClass), err))?;
         self.timeouts = self.settings.timeouts(&class);
         self.class = Some(class.clone());
         self.model.clone_from(&asks.model);
+        self.check_remote(&class, &asks)?;
         let ticket = self.admit(Job {
             class,
             tokens: asks.tokens(),
@@ -152,47 +150,52 @@ impl QueuedRequest {
         )
     }
 
-    /// Reads what guard needs from the body, and refuses a remote model where configured.
-    fn inspect(&self, bytes: &[u8]) -> Phase<Asks> {
-        let asks = Asks::read(bytes);
-        if let Some(model) = &asks.model
-            && self.settings.refuse_remote_models
-            && self.proxy.remote_models.remote_models.is_remote(model)
+    /// Refuses a model served elsewhere where the class may not ask for one: the private
+    /// chat never leaves the box.
+    fn check_remote(&self, class: &str, asks: &Asks) -> Phase<()> {
+        let Some(model) = &asks.model else {
+            return Ok(());
+        };
+        if self.settings.remote_allowed.contains(class)
+            || !self.proxy.remote_models.remote_models.is_remote(model)
         {
-            return Err(Ending::new(
-                Outcome::Refused {
-                    model: self.proxy.remote_models.model_label(model).to_owned(),
-                },
-                ProxyError::RemoteModel {
-                    model: quote(model),
-                },
-            ));
+            return Ok(());
         }
-        Ok(asks)
+        Err(Ending::new(
+            Outcome::Refused {
+                class: class.to_owned(),
+                model: self.proxy.remote_models.model_label(model).to_owned(),
+            },
+            ProxyError::RemoteModel {
+                class: class.to_owned(),
+                model: quote(model),
+            },
+        ))
     }
 
-    /// The class of this request; `cgroup` keeps the client's cgroup once looked up.
+    /// The class of this request; `last` is the final decision, which the tally counts.
     fn decide(
         &self,
         head: &request::Parts,
         model: Option<&str>,
-        cgroup: &OnceLock<Option<String>>,
+        last: bool,
     ) -> Result<String, ProxyError> {
-        let (listen, peer) = (self.proxy.listen, self.connection.peer);
+        let (listen, client) = (self.proxy.listen, self.connection.peer);
         let tracker = self.proxy.tracker.as_deref();
-        let lookup = || {
-            cgroup
-                .get_or_init(|| client_cgroup(tracker, peer, listen))
-                .clone()
-        };
-        let decision = self.settings.classifier.classify(&RequestFacts {
+        let connection = &self.connection;
+        let peer = || connection.process(|| peer_of(tracker, client, listen));
+        let classifier = &self.settings.classifier;
+        let decision = classifier.classify(&RequestFacts {
             path: head.uri.path(),
             headers: &head.headers,
             model,
-            source: peer.ip(),
-            cgroup: &lookup,
+            source: client.ip(),
+            peer: &peer,
         })?;
         tracing::trace!(class = decision.class, by = %decision.by, "classified");
+        if last {
+            self.proxy.tally.record(classifier, &decision);
+        }
         Ok(decision.class)
     }
 

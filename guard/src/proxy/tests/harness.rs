@@ -374,6 +374,7 @@ impl Harness {
             tracker: None,
             watched: Arc::new(Watched::default()),
             ttft: Arc::default(),
+            tally: Arc::new(crate::classify::Tally::new(&metrics)),
         };
         let proxy = Proxy::with_dial(&config, parts, Dial::Memory(connect)).expect("a proxy");
         Self {
