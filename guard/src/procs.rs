@@ -1,7 +1,7 @@
 //! Facts about this host's processes and mounts, read through the procfs crate: one place for
 //! every question guard asks /proc.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use procfs::process::{FDTarget, Process};
 
@@ -76,7 +76,30 @@ pub fn cgroup_path_by_id(id: u64, pid: i32) -> Option<String> {
     {
         return Some(path);
     }
-    let mut pending = vec![root.clone()];
+    // Cgroup ids are never reused, so a walk's answer holds for good: a client that keeps
+    // moving cgroups costs one walk per cgroup, not one per connection.
+    static FOUND: std::sync::Mutex<Option<std::collections::HashMap<u64, String>>> =
+        std::sync::Mutex::new(None);
+    let mut found = FOUND.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let found = found.get_or_insert_with(Default::default);
+    if let Some(path) = found.get(&id) {
+        return Some(path.clone());
+    }
+    let path = walk_for(&root, id)?;
+    if found.len() >= MAX_CGROUPS_REMEMBERED {
+        found.clear();
+    }
+    found.insert(id, path.clone());
+    Some(path)
+}
+
+/// Cgroup paths `cgroup_path_by_id` remembers; past this it starts over.
+const MAX_CGROUPS_REMEMBERED: usize = 4096;
+
+/// Walks the cgroup2 tree under `root` for the directory with inode `id`.
+fn walk_for(root: &Path, id: u64) -> Option<String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let mut pending = vec![root.to_path_buf()];
     let mut visited = 0;
     while let Some(dir) = pending.pop() {
         visited += 1;
@@ -87,7 +110,7 @@ pub fn cgroup_path_by_id(id: u64, pid: i32) -> Option<String> {
             continue;
         };
         if meta.ino() == id {
-            let relative = dir.strip_prefix(&root).ok()?;
+            let relative = dir.strip_prefix(root).ok()?;
             return Some(format!("/{}", relative.display()));
         }
         let Ok(entries) = std::fs::read_dir(&dir) else {
