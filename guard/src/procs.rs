@@ -80,7 +80,9 @@ pub fn cgroup_path_by_id(id: u64, pid: i32) -> Option<String> {
     // moving cgroups costs one walk per cgroup, not one per connection.
     static FOUND: std::sync::Mutex<Option<std::collections::HashMap<u64, String>>> =
         std::sync::Mutex::new(None);
-    let mut found = FOUND.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut found = FOUND
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let found = found.get_or_insert_with(Default::default);
     if let Some(path) = found.get(&id) {
         return Some(path.clone());

@@ -162,6 +162,8 @@ pub struct RiskConfig {
     pub max_throttle_ms: u64,
     /// After a release a class runs at least this long before it can be held again.
     pub min_release_ms: u64,
+    /// A preemptible request the estimator expects to end within this is left to finish.
+    pub preempt_grace_ms: u64,
     /// Where guard records cgroup values before it changes them, to restore after a crash.
     pub state_dir: PathBuf,
 }
@@ -178,6 +180,7 @@ impl Default for RiskConfig {
             hold_ms: 10_000,
             max_throttle_ms: 60_000,
             min_release_ms: 5_000,
+            preempt_grace_ms: 100,
             state_dir: PathBuf::from("/var/lib/guard"),
         }
     }
@@ -213,6 +216,10 @@ pub struct ClassConfig {
     /// Arrival to last byte; absent means no limit.
     #[serde(default)]
     pub max_duration_ms: Option<u64>,
+    /// Whether guard may stop this class's running generations for a more urgent class, and
+    /// continue them later: `true`, `false`, or `"resume-only"` (never restart from scratch).
+    #[serde(default)]
+    pub preemptible: Preemptible,
     /// Whether this class may ask for a model served elsewhere (Ollama's remote and `-cloud`
     /// models); absent means the opposite of `upstream.refuse_remote_models`.
     #[serde(default)]
@@ -233,6 +240,7 @@ impl ClassConfig {
             client_stall_ms: default_client_stall_ms(),
             max_duration_ms: None,
             allow_remote_models: None,
+            preemptible: Preemptible::No,
         }
     }
 
@@ -306,6 +314,47 @@ pub struct RuleConfig {
     /// What the config's words resolve to, filled in when the config is read.
     #[serde(skip)]
     pub resolved: ResolvedRule,
+}
+
+/// Whether a class's running generations may be stopped and continued later.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Preemptible {
+    #[default]
+    No,
+    /// Continued from where it stopped, or restarted where that is not possible.
+    Yes,
+    /// Only where it can be continued from where it stopped.
+    ResumeOnly,
+}
+
+impl<'de> Deserialize<'de> for Preemptible {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Flag(bool),
+            Word(String),
+        }
+        match Raw::deserialize(deserializer)? {
+            Raw::Flag(false) => Ok(Self::No),
+            Raw::Flag(true) => Ok(Self::Yes),
+            Raw::Word(word) if word == "resume-only" => Ok(Self::ResumeOnly),
+            Raw::Word(word) => Err(serde::de::Error::custom(format!(
+                "`{}`: use true, false or \"resume-only\"",
+                crate::quote::quote(&word)
+            ))),
+        }
+    }
+}
+
+impl Serialize for Preemptible {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::No => serializer.serialize_bool(false),
+            Self::Yes => serializer.serialize_bool(true),
+            Self::ResumeOnly => serializer.serialize_str("resume-only"),
+        }
+    }
 }
 
 /// A header a rule matches: `header = { name = "x-team", value = "nightly" }`.

@@ -300,6 +300,7 @@ mod properties {
                 class: class.to_owned(),
                 model: Some("m".to_owned()),
                 tokens,
+                preemptible: class == "batch",
             };
             if let Ok(ticket) = scheduler.enqueue(job) {
                 tickets.push(ticket);

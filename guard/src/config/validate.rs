@@ -163,6 +163,12 @@ impl Config {
             Range::new("risk.max_throttle_ms", self.risk.max_throttle_ms, 1, MAX_MS),
             Range::new("risk.min_release_ms", self.risk.min_release_ms, 0, MAX_MS),
             Range::new(
+                "risk.preempt_grace_ms",
+                self.risk.preempt_grace_ms,
+                0,
+                MAX_MS,
+            ),
+            Range::new(
                 "risk.ttft_min_samples",
                 self.risk.ttft_min_samples as u64,
                 0,

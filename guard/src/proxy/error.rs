@@ -72,6 +72,8 @@ pub enum ProxyError {
         which: Timeout,
         limit: Duration,
     },
+    #[error("the upstream refused to continue a preempted answer ({0})")]
+    Continuation(http::StatusCode),
     #[error("guard let go of this request (an internal error)")]
     Internal,
 }
@@ -103,9 +105,10 @@ impl ProxyError {
     fn status(&self) -> StatusCode {
         match self {
             Self::Upstream(UpstreamError::Timeout(_)) => StatusCode::GATEWAY_TIMEOUT,
-            Self::Upstream(_) | Self::Exchange(_) | Self::UpstreamReset(_) => {
-                StatusCode::BAD_GATEWAY
-            }
+            Self::Upstream(_)
+            | Self::Exchange(_)
+            | Self::UpstreamReset(_)
+            | Self::Continuation(_) => StatusCode::BAD_GATEWAY,
             Self::BodyReadTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Self::TimedOut { .. } => StatusCode::GATEWAY_TIMEOUT,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
@@ -138,6 +141,7 @@ impl ProxyError {
             }
             Self::Upstream(_) | Self::Exchange(_) => "upstream_unreachable",
             Self::UpstreamReset(_) => "upstream_reset",
+            Self::Continuation(_) => "upstream_error",
             Self::BodyReadTimeout { .. } => "body_read_timeout",
             Self::TimedOut { which, .. } => which.as_str(),
             Self::Internal => "internal",

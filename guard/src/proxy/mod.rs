@@ -47,6 +47,8 @@ struct Settings {
     remote_allowed: std::collections::BTreeSet<String>,
     cold_load: Duration,
     timeouts: BTreeMap<String, ClassTimeouts>,
+    /// Each class's preemptibility.
+    preemptible: BTreeMap<String, crate::config::Preemptible>,
     default_class: String,
     queued: QueuedPaths,
     max_passthrough: u32,
@@ -263,6 +265,11 @@ impl From<&Config> for Settings {
                 .class
                 .iter()
                 .map(|(name, class)| (name.clone(), class.timeouts()))
+                .collect(),
+            preemptible: config
+                .class
+                .iter()
+                .map(|(name, class)| (name.clone(), class.preemptible))
                 .collect(),
             default_class: config.classify.default.clone(),
             queued: QueuedPaths::new(config.server.queued_paths.iter().map(String::as_str)),

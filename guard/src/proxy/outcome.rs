@@ -149,6 +149,10 @@ const FAIL_KINDS: [FailKind; 5] = [
 /// Makes every per-class series this record writes exist at zero, so dashboards and
 /// `absent()` alerts see a class before its first request.
 pub fn init_class(metrics: &Metrics, class: &str) {
+    metrics.preempted_total.with_label_values(&[class]);
+    metrics
+        .preempt_regenerated_tokens_total
+        .with_label_values(&[class]);
     for outcome in OUTCOMES {
         metrics.requests_total.with_label_values(&[class, outcome]);
     }

@@ -69,6 +69,8 @@ pub struct Job {
     pub model: Option<String>,
     /// The output tokens it asks for (`max_tokens` and kin), where it says.
     pub tokens: Option<u64>,
+    /// Its class may be preempted and this request can be continued later.
+    pub preemptible: bool,
 }
 
 /// A class's limits, from its config.
@@ -87,6 +89,9 @@ struct Waiter {
     arrived: Instant,
     service: Duration,
     tokens: Option<u64>,
+    preemptible: bool,
+    /// It ran, was preempted, and waits to go on (first in its class's line).
+    paused: bool,
     grant: oneshot::Sender<Grant>,
 }
 
@@ -103,6 +108,10 @@ struct Running {
     expected: Duration,
     tokens: Option<u64>,
     progress: Arc<Progress>,
+    priority: i32,
+    preemptible: bool,
+    /// Asked to stop for a more urgent request; its slot is on the way back.
+    preempting: bool,
 }
 
 impl Running {
@@ -126,6 +135,8 @@ struct State {
     estimator: Estimator,
     /// While set, classes with a priority value above it are not dispatched (at risk).
     hold_above: Option<i32>,
+    /// A preemptible request expected to end within this is left to finish.
+    preempt_grace: Duration,
     shutting_down: bool,
 }
 
@@ -144,6 +155,8 @@ pub struct ClassSnapshot {
     pub deadline_ms: Option<u64>,
     pub queued: usize,
     pub running: usize,
+    /// Of the queued: preempted requests waiting to go on.
+    pub paused: usize,
     pub held: bool,
     pub retired: bool,
     /// When a request arriving now would start, by guard's estimate.
@@ -159,6 +172,7 @@ impl Scheduler {
             next_id: 0,
             estimator: Estimator::new(Duration::from_millis(config.estimate.initial_service_ms)),
             hold_above: None,
+            preempt_grace: Duration::ZERO,
             shutting_down: false,
         };
         let scheduler = Arc::new(Self {
@@ -180,6 +194,7 @@ impl Scheduler {
     pub fn reconfigure(&self, config: &Config) {
         let mut state = self.lock();
         state.capacity = config.upstream.max_concurrency as usize;
+        state.preempt_grace = Duration::from_millis(config.risk.preempt_grace_ms);
         state
             .estimator
             .set_prior(Duration::from_millis(config.estimate.initial_service_ms));
@@ -249,6 +264,8 @@ impl Scheduler {
                 arrived: now,
                 service,
                 tokens: job.tokens,
+                preemptible: job.preemptible,
+                paused: false,
                 grant,
             });
         }
@@ -283,6 +300,7 @@ impl Scheduler {
             };
             let now = Instant::now();
             let progress = Arc::new(Progress::new(now));
+            let priority = state.classes.get(&name).map_or(0, |c| c.limits.priority);
             // A waiter whose ticket is gone takes nothing.
             if waiter.grant.send(Ok(Arc::clone(&progress))).is_ok() {
                 if let Some(class) = state.classes.get_mut(&name) {
@@ -295,11 +313,47 @@ impl Scheduler {
                         expected: waiter.service,
                         tokens: waiter.tokens,
                         progress,
+                        priority,
+                        preemptible: waiter.preemptible,
+                        preempting: false,
                     },
                 );
             }
             self.publish(state, &name);
         }
+        state.preempt_for_waiters();
+    }
+
+    /// Stops a running preemptible request and puts it back, first in its class's line, to
+    /// go on when its turn comes again; returns its new ticket. Its slot goes to whoever is
+    /// first now.
+    fn requeue(self: &Arc<Self>, id: u64, class: &Arc<str>, job: Job, arrived: Instant) -> Ticket {
+        let mut state = self.lock();
+        let (grant, granted) = oneshot::channel();
+        if let Some(running) = state.running.remove(&id) {
+            let service = running.remaining(Instant::now());
+            if let Some(class_state) = state.classes.get_mut(class) {
+                class_state.running = class_state.running.saturating_sub(1);
+                class_state.queue.push_front(Waiter {
+                    id,
+                    arrived,
+                    service,
+                    tokens: job.tokens,
+                    preemptible: job.preemptible,
+                    paused: true,
+                    grant,
+                });
+            }
+        }
+        self.publish(&state, class);
+        self.dispatch(&mut state);
+        let times = ticket::Times {
+            arrived,
+            predicted: Duration::ZERO,
+            // It met its deadline when it first started.
+            deadline: None,
+        };
+        Ticket::new(Arc::clone(self), id, Arc::clone(class), job, times, granted)
     }
 
     /// Frees a permit and starts the next request; a completed one teaches the estimator.
@@ -401,6 +455,7 @@ impl Scheduler {
                 deadline_ms: class.limits.deadline.map(|d| d.as_millis() as u64),
                 queued: class.queue.len(),
                 running: class.running,
+                paused: class.queue.iter().filter(|w| w.paused).count(),
                 held: state.is_held(class),
                 retired: class.retired,
                 predicted_wait_ms: state
@@ -497,6 +552,35 @@ impl State {
             remaining,
             ahead.into_iter().map(|(_, _, service)| service),
         )
+    }
+
+    /// Where every slot is taken and a more urgent request waits: asks the running preemptible
+    /// request with the least work to lose (fewest tokens so far) to stop, unless it is about to
+    /// end anyway. One at a time: the next is chosen when that slot has come back.
+    fn preempt_for_waiters(&mut self) {
+        if self.running.len() < self.capacity || self.running.values().any(|r| r.preempting) {
+            return;
+        }
+        let Some(urgent) = self
+            .classes
+            .values()
+            .filter(|class| !class.queue.is_empty() && !self.is_held(class))
+            .map(|class| class.limits.priority)
+            .min()
+        else {
+            return;
+        };
+        let now = Instant::now();
+        let grace = self.preempt_grace;
+        let victim = self
+            .running
+            .values_mut()
+            .filter(|r| r.preemptible && r.priority > urgent && r.remaining(now) > grace)
+            .min_by_key(|r| r.progress.tokens());
+        if let Some(victim) = victim {
+            victim.preempting = true;
+            victim.progress.preempt();
+        }
     }
 
     /// Gives back the room a long queue left behind once it has drained.

@@ -12,6 +12,8 @@ use tokio::time::Instant;
 #[derive(Debug)]
 pub struct Progress {
     since: Instant,
+    /// Cancelled when the scheduler asks this request to stop for a more urgent one.
+    preempt: tokio_util::sync::CancellationToken,
     tokens: AtomicU64,
     /// Nanoseconds after `since` of the first and the latest token.
     first_ns: AtomicU64,
@@ -22,6 +24,7 @@ impl Progress {
     pub fn new(since: Instant) -> Self {
         Self {
             since,
+            preempt: tokio_util::sync::CancellationToken::new(),
             tokens: AtomicU64::new(0),
             first_ns: AtomicU64::new(0),
             last_ns: AtomicU64::new(0),
@@ -38,6 +41,21 @@ impl Progress {
             self.first_ns.store(at, Ordering::Relaxed);
         }
         self.last_ns.store(at, Ordering::Relaxed);
+    }
+
+    /// Tokens passed on so far.
+    pub fn tokens(&self) -> u64 {
+        self.tokens.load(Ordering::Relaxed)
+    }
+
+    /// Asks the request to stop (it continues later, on a permit of its own).
+    pub fn preempt(&self) {
+        self.preempt.cancel();
+    }
+
+    /// Resolves once the scheduler has asked this request to stop.
+    pub async fn preempted(&self) {
+        self.preempt.cancelled().await;
     }
 
     /// Tokens so far and the time each took since the first, once there are enough to tell.

@@ -39,7 +39,58 @@ fn job(class: &str, model: Option<&str>) -> Job {
         class: class.to_owned(),
         model: model.map(str::to_owned),
         tokens: None,
+        preemptible: false,
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_preemptible_request_gives_its_slot_to_a_more_urgent_one_and_goes_on_first() {
+    let scheduler = scheduler(1);
+    let preemptible = Job {
+        preemptible: true,
+        ..job("batch", None)
+    };
+    let running = granted(scheduler.enqueue(preemptible.clone()).expect("admit")).await;
+    let mut later_batch = scheduler.enqueue(job("batch", None)).expect("admit");
+    // The same class never preempts.
+    assert!(
+        tokio::time::timeout(SECOND / 10, running.progress().preempted())
+            .await
+            .is_err()
+    );
+    let mut urgent = scheduler.enqueue(job("interactive", None)).expect("admit");
+    running.progress().preempted().await;
+    assert!(!is_granted(&mut urgent), "the slot comes back first");
+    let mut paused = running.requeue(Instant::now());
+    assert!(is_granted(&mut urgent));
+    let snapshot = scheduler.snapshot();
+    let batch = snapshot.iter().find(|c| c.name == "batch").expect("batch");
+    assert_eq!((batch.queued, batch.paused), (2, 1));
+    drop(granted(urgent).await);
+    assert!(
+        is_granted(&mut paused),
+        "the paused request goes on before later batch work"
+    );
+    assert!(!is_granted(&mut later_batch));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_about_to_end_is_not_preempted() {
+    let mut config = config(1);
+    config.risk.preempt_grace_ms = 2_000;
+    let scheduler = Scheduler::new(&config, Metrics::new());
+    let preemptible = Job {
+        preemptible: true,
+        ..job("batch", None)
+    };
+    // Its estimate (1 s) is within the grace: it is left to finish.
+    let running = granted(scheduler.enqueue(preemptible).expect("admit")).await;
+    let _urgent = scheduler.enqueue(job("interactive", None)).expect("admit");
+    assert!(
+        tokio::time::timeout(SECOND / 2, running.progress().preempted())
+            .await
+            .is_err()
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -155,6 +155,14 @@ impl Permit {
             .release(self.id, &self.class, Some((&self.job, took)));
     }
 
+    /// Stops here for a more urgent request: the slot goes back, and the returned ticket
+    /// resolves to a new permit when this request may go on.
+    pub fn requeue(mut self, arrived: Instant) -> Ticket {
+        self.released = true;
+        let job = std::mem::take(&mut self.job);
+        self.scheduler.requeue(self.id, &self.class, job, arrived)
+    }
+
     /// Frees the slot without teaching the estimator (the request did not complete).
     pub fn release(mut self) {
         self.released = true;

@@ -89,6 +89,17 @@ impl Client {
         .map_err(UpstreamError::Unreachable)
     }
 
+    /// `GET path`, its body read whole when the answer is a success.
+    pub async fn get(&self, path: &str) -> Option<Bytes> {
+        use http_body_util::BodyExt as _;
+        let (head, ()) = Request::get(path).body(()).ok()?.into_parts();
+        let response = self.send_buffered(&head, Bytes::new()).await.ok()?;
+        if !response.status().is_success() {
+            return None;
+        }
+        Some(response.into_body().collect().await.ok()?.to_bytes())
+    }
+
     /// A queued request as it goes to the upstream on an exchange of its own: origin-form
     /// target, the upstream's Host, and without what belongs to the client's hop (the body
     /// is already read, so an `Expect: 100-continue` has been answered).
@@ -98,6 +109,7 @@ impl Client {
         body: Bytes,
     ) -> Result<Request<Body>, UpstreamError> {
         let target = head.uri.path_and_query().map_or("/", |p| p.as_str());
+        let length = body.len();
         let mut request = Request::new(full(body));
         *request.method_mut() = head.method.clone();
         *request.uri_mut() = target
@@ -108,6 +120,11 @@ impl Client {
         strip_hop_by_hop(headers);
         headers.remove(http::header::EXPECT);
         headers.insert(http::header::HOST, self.host());
+        // The body may be guard's rewrite of the client's (a preemptible request's).
+        headers.insert(
+            http::header::CONTENT_LENGTH,
+            http::HeaderValue::from(length),
+        );
         Ok(request)
     }
 

@@ -8,6 +8,7 @@ mod client;
 pub mod exchange;
 pub mod frames;
 mod headers;
+pub mod resume;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full, combinators::BoxBody};

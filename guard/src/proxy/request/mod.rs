@@ -7,6 +7,7 @@
 //! ends the exchange, returns the permit and records the outcome, in that order.
 
 mod phases;
+mod preempt;
 mod relay;
 
 use std::{sync::Arc, time::Duration};

@@ -7,9 +7,10 @@ use http::{Request, request};
 use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
 
-use super::{Ending, QueuedRequest};
+use super::{Ending, QueuedRequest, preempt::Tracked};
 use crate::{
     classify::RequestFacts,
+    config::Preemptible,
     proxy::{
         budget::Held,
         error::ProxyError,
@@ -18,7 +19,7 @@ use crate::{
     queue::{Job, RejectReason, Ticket},
     quote::quote,
     reap::peer::peer_of,
-    upstream::{asks::Asks, exchange::Exchange},
+    upstream::{asks::Asks, exchange::Exchange, resume::Plan},
 };
 
 type Phase<T> = Result<T, Ending>;
@@ -80,16 +81,33 @@ impl QueuedRequest {
         self.class = Some(class.clone());
         self.model.clone_from(&asks.model);
         self.check_remote(&class, &asks)?;
+        let tracked = self.plan(&head, &bytes, &class).map(Tracked::new);
         let ticket = self.admit(Job {
             class,
             tokens: asks.tokens(),
             model: asks.model,
+            preemptible: tracked.is_some(),
         })?;
         self.wait(ticket).await?;
         // Boxed: a request waiting in the queue (there may be thousands) then holds only the
         // state of the phases it has reached, not that of forwarding and relaying.
-        let (exchange, response) = Box::pin(self.forward(&head, bytes)).await?;
-        Ok(Box::pin(self.relay(exchange, response)).await)
+        let body = tracked.as_ref().map_or(bytes, |t| t.plan.first_body());
+        let (exchange, response) = Box::pin(self.forward(&head, body)).await?;
+        Ok(match tracked {
+            Some(tracked) => Box::pin(self.relay_tracked(exchange, response, tracked, &head)).await,
+            None => Box::pin(self.relay(exchange, response)).await,
+        })
+    }
+
+    /// How a request of a preemptible class would go on after a preemption, where it can.
+    fn plan(&self, head: &request::Parts, body: &[u8], class: &str) -> Option<Plan> {
+        let resume_only = match self.settings.preemptible.get(class)? {
+            Preemptible::No => return None,
+            Preemptible::Yes => false,
+            Preemptible::ResumeOnly => true,
+        };
+        let path = crate::route::normalize(head.uri.path()).ok()?;
+        Plan::of(&path, body, resume_only)
     }
 
     /// Reads the whole body within the class's time, `server.body_limit_bytes` and the body
@@ -264,7 +282,7 @@ impl QueuedRequest {
     }
 
     /// Sends the request on an exchange of its own; returns it with the response head.
-    async fn forward(
+    pub(super) async fn forward(
         &mut self,
         head: &request::Parts,
         body: Bytes,

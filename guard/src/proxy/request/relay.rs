@@ -46,7 +46,7 @@ enum Delivery {
 
 /// The answer's way to the client, and what is known of it.
 pub(super) struct Relay {
-    feed: Feed,
+    pub(super) feed: Feed,
     format: StreamFormat,
     /// The outcome if the upstream ends its answer: completed, or failed for a 5xx.
     end: Outcome,
@@ -186,7 +186,7 @@ impl QueuedRequest {
         }
     }
 
-    fn timed_out_ending(&self, which: Timeout) -> Ending {
+    pub(super) fn timed_out_ending(&self, which: Timeout) -> Ending {
         Ending::new(
             Outcome::TimedOut {
                 which,
@@ -197,7 +197,7 @@ impl QueuedRequest {
     }
 
     /// The first byte of the answer goes to the client now.
-    fn first_byte(&mut self) {
+    pub(super) fn first_byte(&mut self) {
         let ttft = self.arrived.elapsed();
         self.ttft = Some(ttft);
         if let Some(class) = &self.class {
@@ -240,6 +240,17 @@ impl QueuedRequest {
 }
 
 impl Relay {
+    /// The way to a client whose response has begun, for an answer that ends cleanly.
+    pub(super) fn new(feed: Feed, format: StreamFormat) -> Self {
+        Self {
+            feed,
+            format,
+            end: Outcome::Completed,
+            sent_data: false,
+            tail: None,
+        }
+    }
+
     /// Ends the client's answer as `outcome` calls for: cleanly after the upstream's own end,
     /// with the API's error event where the format has one, else cut.
     pub(super) fn finish(self, outcome: &Outcome, error: Option<&ProxyError>) {

@@ -1,0 +1,147 @@
+//! Interactive never waits for batch: on the real llama-server with one slot, a flood of long
+//! batch jobs (streamed and whole) is preempted for each interactive chat and goes on where it
+//! stopped; every batch client gets its whole answer, in the form it asked for.
+
+use std::time::{Duration, Instant};
+
+use guard_tests::{
+    http::{post, post_streamed},
+    serial,
+    servers::{GuardProcess, LlamaServer},
+};
+use serde_json::json;
+
+const CONFIG: &str = "[estimate]\ninitial_service_ms = 100\n\
+                      [class.interactive]\npriority = 0\nmax_queue = 8\ndeadline_ms = 10000\n\
+                      [class.batch]\npriority = 10\nmax_queue = 100\npreemptible = true\n";
+
+const PROMPTS: [&str; 6] = [
+    "Write a long story about a lighthouse keeper.",
+    "Explain how bread is made, step by step, in detail.",
+    "List the planets of the solar system and describe each one.",
+    "Write a long letter to a friend about a trip to the mountains.",
+    "Describe the history of the bicycle in detail.",
+    "Explain photosynthesis to a child, at length.",
+];
+
+fn batch_body(prompt: &str, stream: bool) -> serde_json::Value {
+    json!({
+        "messages": [{ "role": "user", "content": prompt }],
+        "max_tokens": 160,
+        "temperature": 0,
+        "stream": stream,
+    })
+}
+
+/// The text of an answer: one chat completion, or the deltas of a stream.
+fn text_of(stream: bool, body: &[u8]) -> String {
+    if !stream {
+        let answer: serde_json::Value = serde_json::from_slice(body).expect("json answer");
+        return answer["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("content")
+            .to_owned();
+    }
+    String::from_utf8_lossy(body)
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|e| {
+            e["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect()
+}
+
+/// Time to the first byte of a short streamed interactive chat.
+async fn interactive_ttft(addr: std::net::SocketAddr) -> Duration {
+    let body = json!({
+        "messages": [{ "role": "user", "content": "Say hi." }],
+        "max_tokens": 4,
+        "stream": true,
+    });
+    let sent = Instant::now();
+    let answer = post_streamed(addr, "/v1/chat/completions", &[], &body).await;
+    assert_eq!(answer.status, 200);
+    let first = answer.frames.first().expect("a frame").0;
+    first.duration_since(sent)
+}
+
+fn p95(mut samples: Vec<Duration>) -> Duration {
+    samples.sort();
+    samples[(samples.len() * 95).div_ceil(100) - 1]
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn interactive_preempts_batch_which_goes_on_where_it_stopped() {
+    let _serial = serial().await;
+    let llama = LlamaServer::start(1).await;
+    // What each batch job answers when nothing interrupts it.
+    let mut reference = Vec::new();
+    for prompt in PROMPTS {
+        let answer = post(
+            llama.addr,
+            "/v1/chat/completions",
+            &[],
+            &batch_body(prompt, false),
+        )
+        .await;
+        reference.push(text_of(false, &answer.body));
+    }
+    let guard = GuardProcess::start(llama.addr, "openai", CONFIG);
+    let mut idle = Vec::new();
+    for _ in 0..5 {
+        idle.push(interactive_ttft(guard.listen).await);
+    }
+    let idle_p95 = p95(idle);
+
+    let batch = [("x-guard-class", "batch")];
+    let mut jobs = Vec::new();
+    for (n, prompt) in PROMPTS.iter().enumerate() {
+        let (addr, stream) = (guard.listen, n % 2 == 0);
+        let body = batch_body(prompt, stream);
+        jobs.push(tokio::spawn(async move {
+            let answer = post_streamed(addr, "/v1/chat/completions", &batch, &body).await;
+            let bytes: Vec<u8> = answer.frames.iter().flat_map(|(_, b)| b.to_vec()).collect();
+            (answer.status, stream, bytes)
+        }));
+    }
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    let mut busy = Vec::new();
+    for _ in 0..8 {
+        busy.push(interactive_ttft(guard.listen).await);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    let busy_p95 = p95(busy.clone());
+    let mut same = 0;
+    for (n, job) in jobs.into_iter().enumerate() {
+        let (status, stream, body) = job.await.expect("batch job");
+        assert_eq!(status, 200, "job {n}");
+        let text = text_of(stream, &body);
+        assert!(!text.is_empty(), "job {n} has an answer");
+        if text == reference[n] {
+            same += 1;
+        } else {
+            eprintln!("job {n} differs:\n  {:?}\n  {:?}", reference[n], text);
+        }
+    }
+    let preempted = guard.metric("guard_preempted_total{class=\"batch\"}").await;
+    eprintln!(
+        "idle p95 {idle_p95:?}, during the flood p95 {busy_p95:?} ({busy:?}); \
+         {preempted} preemptions; {same} of {} answers as uninterrupted",
+        PROMPTS.len()
+    );
+    assert!(preempted >= 1.0, "batch was preempted");
+    assert!(
+        busy_p95 <= idle_p95 + Duration::from_millis(150),
+        "interactive p95 {busy_p95:?} against {idle_p95:?} idle"
+    );
+    assert!(
+        same * 2 > PROMPTS.len(),
+        "most resumed answers are the uninterrupted ones"
+    );
+}
