@@ -145,3 +145,90 @@ async fn interactive_preempts_batch_which_goes_on_where_it_stopped() {
         "most resumed answers are the uninterrupted ones"
     );
 }
+
+/// guard's token counts are the server's own; a job the server stops halfway is not a job done.
+#[tokio::test(flavor = "multi_thread")]
+async fn tokens_are_the_servers_own_count_and_a_cut_job_is_invalid() {
+    let _serial = serial().await;
+    let mut llama = LlamaServer::start(1).await;
+    let guard = GuardProcess::start(llama.addr, "openai", CONFIG);
+    let before = llama.metric("tokens_predicted_total").await;
+    let chat = |stream: bool, tokens: u64| {
+        json!({
+            "messages": [{ "role": "user", "content": "Tell me about the sea." }],
+            "max_tokens": tokens,
+            "stream": stream,
+        })
+    };
+    let batch = [("x-guard-class", "batch")];
+    assert_eq!(
+        post(guard.listen, "/v1/chat/completions", &[], &chat(false, 7))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        post_streamed(guard.listen, "/v1/chat/completions", &[], &chat(true, 9))
+            .await
+            .status,
+        200
+    );
+    let completion = json!({ "prompt": "The sea is", "n_predict": 11 });
+    assert_eq!(
+        post(guard.listen, "/completion", &[], &completion)
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        post(
+            guard.listen,
+            "/v1/chat/completions",
+            &batch,
+            &chat(false, 5)
+        )
+        .await
+        .status,
+        200
+    );
+    assert_eq!(
+        post_streamed(guard.listen, "/v1/chat/completions", &batch, &chat(true, 6))
+            .await
+            .status,
+        200
+    );
+    let served = llama.metric("tokens_predicted_total").await - before;
+    let text = guard.metrics_text().await;
+    let m = |series: &str| guard_tests::metric(&text, series).unwrap_or(0.0);
+    let counted = m("guard_tokens_total{class=\"interactive\",kind=\"generated\"}")
+        + m("guard_tokens_total{class=\"batch\",kind=\"generated\"}");
+    assert_eq!(counted, served, "guard counts what llama-server generated");
+    assert_eq!(
+        m("guard_jobs_total{class=\"interactive\",result=\"valid\"}"),
+        3.0
+    );
+    assert_eq!(m("guard_jobs_total{class=\"batch\",result=\"valid\"}"), 2.0);
+    assert!(m("guard_generation_tokens_per_second_count{class=\"interactive\"}") >= 3.0);
+
+    // The server dies halfway through a long answer: that job is invalid.
+    let long = json!({
+        "prompt": "Write a long story.",
+        "n_predict": 2000,
+        "ignore_eos": true,
+        "stream": true,
+    });
+    let addr = guard.listen;
+    let cut = tokio::spawn(async move { post_streamed(addr, "/completion", &[], &long).await });
+    guard
+        .wait_for_metric("guard_inflight{class=\"interactive\"}", 1.0)
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    llama.crash();
+    let _ = cut.await;
+    guard
+        .wait_for_metric(
+            "guard_jobs_total{class=\"interactive\",result=\"invalid\"}",
+            1.0,
+        )
+        .await;
+}

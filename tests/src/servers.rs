@@ -89,6 +89,12 @@ impl LlamaServer {
     pub fn kill(&mut self) {
         stop(&mut self.child, Duration::from_secs(2));
     }
+
+    /// SIGKILL: it stops mid-answer, with no last word.
+    pub fn crash(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 impl Drop for LlamaServer {

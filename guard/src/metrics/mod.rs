@@ -56,6 +56,9 @@ pub struct Metrics {
     pub remote_refused_total: IntCounterVec,
     pub class_throttled: IntGaugeVec,
     pub preempted_total: IntCounterVec,
+    pub tokens_total: IntCounterVec,
+    pub jobs_total: IntCounterVec,
+    pub generation_tokens_per_second: HistogramVec,
     pub preempt_regenerated_tokens_total: IntCounterVec,
     pub preempt_pause_seconds: HistogramVec,
     pub throttle_changes_total: IntCounterVec,
@@ -199,6 +202,25 @@ impl Metrics {
                 "Requests refused (403) because their model is served from elsewhere and their class may not ask for that (allow_remote_models).",
                 &["class", "model"],
             ),
+            tokens_total: counter_vec(
+                "guard_tokens_total",
+                "Tokens by the upstream's own count: prompt (evaluated) and generated.",
+                &["class", "kind"],
+            ),
+            jobs_total: counter_vec(
+                "guard_jobs_total",
+                "Dispatched requests: valid when completed with the server's own end marker, else invalid (cut, failed, timed out, an error status).",
+                &["class", "result"],
+            ),
+            generation_tokens_per_second: HistogramVec::new(
+                HistogramOpts::new(
+                    "guard_generation_tokens_per_second",
+                    "Steady decode rate of an answer (first token excluded), as the server measured it or guard saw it.",
+                )
+                .buckets(vec![1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0]),
+                &["class"],
+            )
+            .expect("valid histogram"),
             preempted_total: counter_vec(
                 "guard_preempted_total",
                 "Running requests stopped for a more urgent class (each goes on later).",
@@ -278,6 +300,9 @@ impl Metrics {
             Box::new(self.remote_refused_total.clone()),
             Box::new(self.class_throttled.clone()),
             Box::new(self.preempted_total.clone()),
+            Box::new(self.tokens_total.clone()),
+            Box::new(self.jobs_total.clone()),
+            Box::new(self.generation_tokens_per_second.clone()),
             Box::new(self.preempt_regenerated_tokens_total.clone()),
             Box::new(self.preempt_pause_seconds.clone()),
             Box::new(self.throttle_changes_total.clone()),

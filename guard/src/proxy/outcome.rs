@@ -150,6 +150,12 @@ const FAIL_KINDS: [FailKind; 5] = [
 /// `absent()` alerts see a class before its first request.
 pub fn init_class(metrics: &Metrics, class: &str) {
     metrics.preempted_total.with_label_values(&[class]);
+    for result in ["valid", "invalid"] {
+        metrics.jobs_total.with_label_values(&[class, result]);
+    }
+    for kind in ["prompt", "generated"] {
+        metrics.tokens_total.with_label_values(&[class, kind]);
+    }
     metrics
         .preempt_regenerated_tokens_total
         .with_label_values(&[class]);

@@ -90,8 +90,8 @@ struct Waiter {
     service: Duration,
     tokens: Option<u64>,
     preemptible: bool,
-    /// It ran, was preempted, and waits to go on (first in its class's line).
-    paused: bool,
+    /// It ran, was preempted, and waits to go on (first in its class's line): since when.
+    paused: Option<Instant>,
     grant: oneshot::Sender<Grant>,
 }
 
@@ -137,6 +137,9 @@ struct State {
     hold_above: Option<i32>,
     /// A preemptible request expected to end within this is left to finish.
     preempt_grace: Duration,
+    /// A preempted request waits at most this long before it goes on, urgent work or not
+    /// (`risk.max_throttle_ms`); once it has, it runs to its end.
+    max_pause: Duration,
     shutting_down: bool,
 }
 
@@ -173,6 +176,7 @@ impl Scheduler {
             estimator: Estimator::new(Duration::from_millis(config.estimate.initial_service_ms)),
             hold_above: None,
             preempt_grace: Duration::ZERO,
+            max_pause: Duration::MAX,
             shutting_down: false,
         };
         let scheduler = Arc::new(Self {
@@ -195,6 +199,7 @@ impl Scheduler {
         let mut state = self.lock();
         state.capacity = config.upstream.max_concurrency as usize;
         state.preempt_grace = Duration::from_millis(config.risk.preempt_grace_ms);
+        state.max_pause = Duration::from_millis(config.risk.max_throttle_ms);
         state
             .estimator
             .set_prior(Duration::from_millis(config.estimate.initial_service_ms));
@@ -265,7 +270,7 @@ impl Scheduler {
                 service,
                 tokens: job.tokens,
                 preemptible: job.preemptible,
-                paused: false,
+                paused: None,
                 grant,
             });
         }
@@ -314,7 +319,9 @@ impl Scheduler {
                         tokens: waiter.tokens,
                         progress,
                         priority,
-                        preemptible: waiter.preemptible,
+                        // One that waited its longest pause runs a while before the next.
+                        preemptible: waiter.preemptible
+                            && waiter.paused.is_none_or(|at| now - at < state.max_pause),
                         preempting: false,
                     },
                 );
@@ -340,7 +347,7 @@ impl Scheduler {
                     service,
                     tokens: job.tokens,
                     preemptible: job.preemptible,
-                    paused: true,
+                    paused: Some(Instant::now()),
                     grant,
                 });
             }
@@ -455,7 +462,7 @@ impl Scheduler {
                 deadline_ms: class.limits.deadline.map(|d| d.as_millis() as u64),
                 queued: class.queue.len(),
                 running: class.running,
-                paused: class.queue.iter().filter(|w| w.paused).count(),
+                paused: class.queue.iter().filter(|w| w.paused.is_some()).count(),
                 held: state.is_held(class),
                 retired: class.retired,
                 predicted_wait_ms: state
@@ -495,8 +502,21 @@ impl State {
             .is_some_and(|level| class.limits.priority > level)
     }
 
-    /// The class whose head goes next: the lowest priority value, the earliest arrival.
+    /// The class whose head goes next: a preempted request that has waited its longest pause,
+    /// else the lowest priority value, the earliest arrival.
     fn next_to_dispatch(&self) -> Option<Arc<str>> {
+        let now = Instant::now();
+        let overdue = self.classes.iter().find(|(_, class)| {
+            !self.is_held(class)
+                && class
+                    .queue
+                    .front()
+                    .and_then(|w| w.paused)
+                    .is_some_and(|at| now - at >= self.max_pause)
+        });
+        if let Some((name, _)) = overdue {
+            return Some(Arc::clone(name));
+        }
         self.classes
             .iter()
             .filter(|(_, class)| !class.queue.is_empty() && !self.is_held(class))

@@ -225,6 +225,7 @@ pub async fn run(mut configs: tokio::sync::watch::Receiver<Config>, detector: De
     let mut config = configs.borrow_and_update().clone();
     let mut protected = protected_classes(&config);
     let mut ticks = tokio::time::interval(TICK);
+    let mut dispatch = DispatchHold::default();
     loop {
         let limits = Limits::of(&config);
         // Woken at the next tick, or sooner where a hold reaches max_throttle_ms then.
@@ -273,22 +274,63 @@ pub async fn run(mut configs: tokio::sync::watch::Receiver<Config>, detector: De
                     reasons,
                     "at risk: holding back lower classes and throttling their cgroups"
                 );
-                scheduler.hold_above(Some(config.risk.protect_priority));
+                dispatch.hold(&scheduler, &config, Instant::now());
             }
             Some(Change::Exit) => {
                 tracing::info!(
                     hold_ms = hold.as_millis() as u64,
                     "risk clear: dispatch resumes, cgroups restored"
                 );
-                scheduler.hold_above(None);
+                dispatch.release(&scheduler, Instant::now(), Reason::RiskClear);
                 lock(&throttler).restore(Reason::RiskClear);
             }
             None => {}
         }
-        // At risk: hold back what is not resting after a release.
+        // At risk: hold back what is not resting after a release; no hold outlasts
+        // max_throttle_ms.
         if state.at_risk {
+            dispatch.bound(&scheduler, &config, Instant::now());
             lock(&throttler).throttle(&config, Instant::now().into_std());
         }
+    }
+}
+
+/// The hold on dispatching lower classes, bounded like a cgroup hold: at most
+/// `risk.max_throttle_ms` in one go, then free for at least `risk.min_release_ms`.
+#[derive(Debug, Default)]
+struct DispatchHold {
+    since: Option<Instant>,
+    released: Option<Instant>,
+}
+
+impl DispatchHold {
+    fn hold(&mut self, scheduler: &Scheduler, config: &Config, now: Instant) {
+        let min_release = Duration::from_millis(config.risk.min_release_ms);
+        if self.since.is_some() || self.released.is_some_and(|at| now - at < min_release) {
+            return;
+        }
+        scheduler.hold_above(Some(config.risk.protect_priority));
+        self.since = Some(now);
+    }
+
+    fn release(&mut self, scheduler: &Scheduler, now: Instant, reason: Reason) {
+        if self.since.take().is_some() {
+            scheduler.hold_above(None);
+            self.released = Some(now);
+            tracing::info!(
+                reason = reason.as_str(),
+                "dispatch of lower classes resumes"
+            );
+        }
+    }
+
+    /// Lets go of a hold that reached max_throttle_ms; takes it again once rested.
+    fn bound(&mut self, scheduler: &Scheduler, config: &Config, now: Instant) {
+        let max = Duration::from_millis(config.risk.max_throttle_ms);
+        if self.since.is_some_and(|since| now - since >= max) {
+            self.release(scheduler, now, Reason::MaxThrottle);
+        }
+        self.hold(scheduler, config, now);
     }
 }
 

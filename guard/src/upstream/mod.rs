@@ -9,6 +9,7 @@ pub mod exchange;
 pub mod frames;
 mod headers;
 pub mod resume;
+pub mod usage;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full, combinators::BoxBody};

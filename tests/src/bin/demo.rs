@@ -46,6 +46,19 @@ async fn demo() {
     workload::wait_until_idle(llama.addr).await;
     let guarded = workload::run(guard.listen, shape, true).await;
     workload::wait_until_idle(llama.addr).await;
+    // The same, with batch preemptible: interactive work stops a running batch job, which goes
+    // on where it stopped afterwards.
+    let preempting = GuardProcess::start(
+        llama.addr,
+        "openai",
+        &CLASSES.replace(
+            "max_queue = 1000\n",
+            "max_queue = 1000\npreemptible = true\n",
+        ),
+    );
+    let preempted = workload::run(preempting.listen, shape, true).await;
+    workload::wait_until_idle(llama.addr).await;
+    drop(preempting);
 
     let row = |name: &str, o: &workload::Outcome| {
         println!(
@@ -63,10 +76,14 @@ async fn demo() {
     row("idle llama-server, no flood", &idle);
     row("batch flood, straight to llama", &direct);
     row("batch flood, through guard", &guarded);
+    row("batch flood, guard with preemption", &preempted);
     println!();
     println!(
         "guard holds the batch flood in its own queue and dispatches interactive work first;\n\
-         llama-server alone serves requests in arrival order behind the flood."
+         llama-server alone serves requests in arrival order behind the flood. With batch\n\
+         preemptible, an interactive chat also stops the running batch job, which goes on where\n\
+         it stopped: the chat waits for no batch work at all, at the cost of batch work redone\n\
+         (the prompt, from the server's cache)."
     );
     print_where_guard_serves(&guard, llama.addr);
     std::future::pending::<()>().await;

@@ -27,7 +27,7 @@ use crate::{
     proxy::budget::Held,
     queue::Permit,
     reap::{event::monotonic_now, registry::Connection},
-    upstream::{Body, asks::Asks, exchange::Exchange},
+    upstream::{Body, asks::Asks, exchange::Exchange, usage::Usage},
 };
 
 /// What guard reads from a body: its model and the output tokens it asks for.
@@ -134,6 +134,8 @@ pub(super) struct QueuedRequest {
     dispatched: bool,
     waited: Duration,
     ttft: Option<Duration>,
+    /// What the answer said of its tokens and its end, once it has ended.
+    usage: Option<Usage>,
     concluded: bool,
 }
 
@@ -166,6 +168,7 @@ impl QueuedRequest {
             dispatched: false,
             waited: Duration::ZERO,
             ttft: None,
+            usage: None,
             concluded: false,
         }
     }
@@ -185,7 +188,10 @@ impl QueuedRequest {
 
     fn finish(&mut self, ending: Ending) {
         let Ending { outcome, answer } = ending;
+        // The pace guard saw, for servers that do not say their own decode rate.
+        let pace = self.permit.as_ref().and_then(|p| p.progress().pace());
         self.free_upstream(outcome == Outcome::Completed);
+        self.record_job(&outcome, pace.map(|(_, per_token)| per_token));
         self.tell_client(&outcome, answer);
         let elapsed = self.arrived.elapsed();
         let queue_wait = match (self.stage, self.dispatched) {
@@ -209,6 +215,36 @@ impl QueuedRequest {
                 now_monotonic: monotonic_now(),
             },
         );
+    }
+
+    /// Counts a dispatched request as a job, valid when it completed with the server's own end
+    /// marker, with the tokens the server said it took and its decode rate.
+    fn record_job(&self, outcome: &Outcome, per_token: Option<Duration>) {
+        let (Some(class), true) = (self.class.as_deref(), self.dispatched) else {
+            return;
+        };
+        let metrics = &self.proxy.metrics;
+        let usage = self.usage.unwrap_or_default();
+        let valid = *outcome == Outcome::Completed && usage.ended;
+        let result = if valid { "valid" } else { "invalid" };
+        metrics.jobs_total.with_label_values(&[class, result]).inc();
+        for (kind, count) in [("prompt", usage.prompt), ("generated", usage.generated)] {
+            if let Some(count) = count {
+                metrics
+                    .tokens_total
+                    .with_label_values(&[class, kind])
+                    .inc_by(count);
+            }
+        }
+        let measured = per_token
+            .filter(|t| !t.is_zero())
+            .map(|t| 1.0 / t.as_secs_f64());
+        if let Some(rate) = usage.decode_per_second.or(measured) {
+            metrics
+                .generation_tokens_per_second
+                .with_label_values(&[class])
+                .observe(rate);
+        }
     }
 
     /// Answers the client, or ends the answer it is getting, as the outcome calls for.

@@ -26,6 +26,7 @@ use crate::{
         full,
         resume::{self, Continuation, Endpoint, Plan, Transcript},
         strip_hop_by_hop,
+        usage::Usage,
     },
 };
 
@@ -212,6 +213,13 @@ impl QueuedRequest {
         if !rest.is_empty() {
             tracked.read(b"\n");
         }
+        let transcript = &tracked.transcript;
+        self.usage = Some(Usage {
+            prompt: transcript.prompt_tokens,
+            generated: Some(transcript.generated),
+            decode_per_second: None,
+            ended: transcript.ended,
+        });
         if tracked.plan.client_streams {
             return Ending::quiet(Outcome::Completed);
         }

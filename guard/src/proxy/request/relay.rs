@@ -19,7 +19,7 @@ use crate::{
         api::{self, ollama},
         exchange::Exchange,
         frames::{self, StreamFormat},
-        strip_hop_by_hop,
+        strip_hop_by_hop, usage,
     },
 };
 
@@ -51,14 +51,21 @@ pub(super) struct Relay {
     /// The outcome if the upstream ends its answer: completed, or failed for a 5xx.
     end: Outcome,
     sent_data: bool,
-    /// The end of an Ollama answer, where its load_duration tells a cold load.
-    tail: Option<Vec<u8>>,
+    /// The end of the answer (all of a single document, up to `WHOLE_BYTES`): its counts, and
+    /// for Ollama its load_duration, which tells a cold load.
+    tail: Vec<u8>,
+    /// The upstream answered with a success status.
+    success: bool,
 }
+
+/// A single-document answer up to this size is kept whole to read its counts.
+const WHOLE_BYTES: usize = 1 << 20;
 
 impl QueuedRequest {
     pub(super) async fn relay(&mut self, exchange: Exchange, mut head: response::Parts) -> Ending {
         strip_hop_by_hop(&mut head.headers);
         let format = StreamFormat::of(head.headers.get(header::CONTENT_TYPE));
+        let head_success = head.status.is_success();
         let end = match head.status.is_server_error() {
             true => Outcome::Failed(FailKind::UpstreamError),
             false => Outcome::Completed,
@@ -78,7 +85,8 @@ impl QueuedRequest {
             format,
             end,
             sent_data: false,
-            tail: (self.shape == ErrorShape::Ollama).then(Vec::new),
+            tail: Vec::new(),
+            success: head_success,
         };
         // One interrupt future for the whole answer: frames are token-sized and many.
         let watch = self.watch();
@@ -102,10 +110,14 @@ impl QueuedRequest {
                 break ending;
             }
         };
-        if ending.outcome == Outcome::Completed
-            && let Some(tail) = &relay.tail
-        {
-            self.note_cold_load(tail);
+        if ending.outcome == Outcome::Completed {
+            let mut usage = usage::read(relay.format, &relay.tail);
+            // A single document is whole when its body ended as framed.
+            usage.ended = relay.success && (usage.ended || relay.format == StreamFormat::Whole);
+            self.usage = Some(usage);
+            if self.shape == ErrorShape::Ollama {
+                self.note_cold_load(&relay.tail);
+            }
         }
         self.relay = Some(relay);
         ending
@@ -140,8 +152,11 @@ impl QueuedRequest {
             if let Some(permit) = &self.permit {
                 permit.progress().advance(relay.format.count_tokens(data));
             }
-            if let Some(tail) = &mut relay.tail {
-                frames::keep_tail(tail, data);
+            match relay.format {
+                StreamFormat::Whole if relay.tail.len() + data.len() <= WHOLE_BYTES => {
+                    relay.tail.extend_from_slice(data);
+                }
+                _ => frames::keep_tail(&mut relay.tail, data),
             }
             if !relay.sent_data && !data.is_empty() {
                 relay.sent_data = true;
@@ -247,7 +262,8 @@ impl Relay {
             format,
             end: Outcome::Completed,
             sent_data: false,
-            tail: None,
+            tail: Vec::new(),
+            success: true,
         }
     }
 

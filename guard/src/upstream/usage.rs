@@ -1,0 +1,146 @@
+//! The tokens an answer says it took, per API, from its last event or its whole body: OpenAI
+//! `usage`, llama-server `timings` and `/completion` counts, Ollama's final counts. And
+//! whether the answer ended with the server's own end marker.
+
+use serde::Deserialize;
+
+use super::frames::StreamFormat;
+
+/// What an answer reported of itself.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Usage {
+    pub prompt: Option<u64>,
+    pub generated: Option<u64>,
+    /// The steady decode rate the server measured (first token excluded), tokens a second.
+    pub decode_per_second: Option<f64>,
+    /// The server's own end marker was seen (`[DONE]`, a finish reason, `done`, `stop`).
+    pub ended: bool,
+}
+
+/// The fields of a last event or a whole answer that carry counts, in every API's spelling.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct Report {
+    usage: Option<OpenAiUsage>,
+    timings: Option<Timings>,
+    choices: Vec<Choice>,
+    tokens_evaluated: Option<u64>,
+    tokens_predicted: Option<u64>,
+    stop: Option<bool>,
+    prompt_eval_count: Option<u64>,
+    eval_count: Option<u64>,
+    /// Nanoseconds.
+    eval_duration: Option<u64>,
+    done: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct OpenAiUsage {
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct Timings {
+    prompt_n: Option<u64>,
+    predicted_n: Option<u64>,
+    predicted_per_second: Option<f64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct Choice {
+    finish_reason: Option<String>,
+}
+
+impl Report {
+    fn usage(&self, ended: bool) -> Usage {
+        let timings = self.timings.as_ref();
+        let usage = self.usage.as_ref();
+        let ollama_rate = match (self.eval_count, self.eval_duration) {
+            (Some(n), Some(ns)) if ns > 0 => Some(n as f64 / (ns as f64 / 1e9)),
+            _ => None,
+        };
+        Usage {
+            prompt: usage
+                .and_then(|u| u.prompt_tokens)
+                .or(timings.and_then(|t| t.prompt_n))
+                .or(self.tokens_evaluated)
+                .or(self.prompt_eval_count),
+            generated: usage
+                .and_then(|u| u.completion_tokens)
+                .or(timings.and_then(|t| t.predicted_n))
+                .or(self.tokens_predicted)
+                .or(self.eval_count),
+            decode_per_second: timings.and_then(|t| t.predicted_per_second).or(ollama_rate),
+            ended: ended
+                || self.done == Some(true)
+                || self.stop == Some(true)
+                || self.choices.iter().any(|c| c.finish_reason.is_some()),
+        }
+    }
+}
+
+/// What the end of an answer (`tail`: its last bytes, or the whole of a single document) says.
+pub fn read(format: StreamFormat, tail: &[u8]) -> Usage {
+    let parse = |bytes: &[u8]| serde_json::from_slice::<Report>(bytes).ok();
+    match format {
+        StreamFormat::Whole => parse(tail).map_or_else(Usage::default, |r| r.usage(true)),
+        StreamFormat::Ndjson | StreamFormat::Sse => {
+            let lines: Vec<&[u8]> = tail
+                .split(|b| *b == b'\n')
+                .map(<[u8]>::trim_ascii)
+                .filter(|l| !l.is_empty())
+                .collect();
+            let done = format == StreamFormat::Sse && lines.last() == Some(&&b"data: [DONE]"[..]);
+            lines
+                .iter()
+                .rev()
+                .filter_map(|line| format.payload(line))
+                .find_map(parse)
+                .map_or(
+                    Usage {
+                        ended: done,
+                        ..Usage::default()
+                    },
+                    |r| r.usage(done),
+                )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_api_says_its_counts_its_own_way() {
+        let llama = b"data: {\"choices\":[{\"finish_reason\":\"stop\",\"delta\":{}}],\"timings\":{\"prompt_n\":9,\"predicted_n\":12,\"predicted_per_second\":80.5}}\n\ndata: [DONE]\n\n";
+        let usage = read(StreamFormat::Sse, llama);
+        assert_eq!(
+            usage,
+            Usage {
+                prompt: Some(9),
+                generated: Some(12),
+                decode_per_second: Some(80.5),
+                ended: true
+            }
+        );
+        let cut = b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n";
+        assert!(!read(StreamFormat::Sse, cut).ended);
+        let ollama = b"{\"response\":\"a\",\"done\":false}\n{\"response\":\"\",\"done\":true,\"prompt_eval_count\":5,\"eval_count\":10,\"eval_duration\":500000000}\n";
+        let usage = read(StreamFormat::Ndjson, ollama);
+        assert_eq!(
+            (usage.generated, usage.decode_per_second, usage.ended),
+            (Some(10), Some(20.0), true)
+        );
+        let whole = br#"{"choices":[{"message":{"content":"x"},"finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":4}}"#;
+        assert_eq!(read(StreamFormat::Whole, whole).generated, Some(4));
+        assert!(
+            !read(StreamFormat::Whole, b"{\"choi").ended,
+            "a cut document"
+        );
+    }
+}
