@@ -232,3 +232,41 @@ async fn tokens_are_the_servers_own_count_and_a_cut_job_is_invalid() {
         )
         .await;
 }
+
+/// Two flows in one class (`fair_by`): fifty jobs of one tenant queued, then five of another;
+/// the five are all served within the next ten dispatches.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_small_flow_gets_its_turns_beside_a_large_one() {
+    let _serial = serial().await;
+    let llama = LlamaServer::start(1).await;
+    let config = "[class.interactive]\npriority = 0\nmax_queue = 8\n\
+                  [class.batch]\npriority = 10\nmax_queue = 100\nfair_by = \"header:x-tenant\"\n";
+    let guard = GuardProcess::start(llama.addr, "openai", config);
+    let done = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let send = |tenant: &'static str| {
+        let (addr, done) = (guard.listen, std::sync::Arc::clone(&done));
+        tokio::spawn(async move {
+            let body = json!({ "prompt": "Count to ten:", "n_predict": 16, "ignore_eos": true });
+            let headers = [("x-guard-class", "batch"), ("x-tenant", tenant)];
+            let answer = post(addr, "/completion", &headers, &body).await;
+            assert_eq!(answer.status, 200);
+            done.lock().expect("order").push(tenant);
+        })
+    };
+    let mut jobs: Vec<_> = (0..50).map(|_| send("a")).collect();
+    guard
+        .wait_for_metric("guard_queue_depth{class=\"batch\"}", 45.0)
+        .await;
+    let before = done.lock().expect("order").len();
+    jobs.extend((0..5).map(|_| send("b")));
+    for job in jobs {
+        job.await.expect("job");
+    }
+    let order = done.lock().expect("order").clone();
+    let last_b = order.iter().rposition(|t| *t == "b").expect("b served");
+    // One `a` may be running as the five arrive: then ten dispatches.
+    assert!(
+        last_b < before + 11,
+        "the last of the small flow came at {last_b}, {before} were done before it arrived: {order:?}"
+    );
+}

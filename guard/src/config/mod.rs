@@ -216,6 +216,14 @@ pub struct ClassConfig {
     /// Arrival to last byte; absent means no limit.
     #[serde(default)]
     pub max_duration_ms: Option<u64>,
+    /// Requests of one client are served in turn with other clients' (round robin weighted by
+    /// estimated work), told apart by this: "uid", "unit", "cgroup", "token", "source" or
+    /// "header:NAME"; absent: first come, first served.
+    #[serde(default)]
+    pub fair_by: Option<FairBy>,
+    /// Requests one flow may have waiting; one more is 503 (queue_full). Absent: max_queue.
+    #[serde(default)]
+    pub max_queue_per_flow: Option<usize>,
     /// Whether guard may stop this class's running generations for a more urgent class, and
     /// continue them later: `true`, `false`, or `"resume-only"` (never restart from scratch).
     #[serde(default)]
@@ -241,6 +249,8 @@ impl ClassConfig {
             max_duration_ms: None,
             allow_remote_models: None,
             preemptible: Preemptible::No,
+            fair_by: None,
+            max_queue_per_flow: None,
         }
     }
 
@@ -314,6 +324,55 @@ pub struct RuleConfig {
     /// What the config's words resolve to, filled in when the config is read.
     #[serde(skip)]
     pub resolved: ResolvedRule,
+}
+
+/// What tells one client's requests from another's, for fair turns inside a class.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FairBy {
+    Uid,
+    Unit,
+    Cgroup,
+    Token,
+    Source,
+    Header(http::HeaderName),
+}
+
+impl<'de> Deserialize<'de> for FairBy {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let word = String::deserialize(deserializer)?;
+        Ok(match word.as_str() {
+            "uid" => Self::Uid,
+            "unit" => Self::Unit,
+            "cgroup" => Self::Cgroup,
+            "token" => Self::Token,
+            "source" => Self::Source,
+            other => {
+                let name = other
+                    .strip_prefix("header:")
+                    .and_then(|name| http::HeaderName::try_from(name.trim()).ok());
+                Self::Header(name.ok_or_else(|| {
+                    serde::de::Error::custom(format!(
+                        "`{}`: use uid, unit, cgroup, token, source or header:NAME",
+                        crate::quote::quote(other)
+                    ))
+                })?)
+            }
+        })
+    }
+}
+
+impl Serialize for FairBy {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let word = match self {
+            Self::Uid => "uid".to_owned(),
+            Self::Unit => "unit".to_owned(),
+            Self::Cgroup => "cgroup".to_owned(),
+            Self::Token => "token".to_owned(),
+            Self::Source => "source".to_owned(),
+            Self::Header(name) => format!("header:{name}"),
+        };
+        serializer.serialize_str(&word)
+    }
 }
 
 /// Whether a class's running generations may be stopped and continued later.

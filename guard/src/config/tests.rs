@@ -301,6 +301,7 @@ mod properties {
                 model: Some("m".to_owned()),
                 tokens,
                 preemptible: class == "batch",
+                flow: 0,
             };
             if let Ok(ticket) = scheduler.enqueue(job) {
                 tickets.push(ticket);

@@ -49,6 +49,8 @@ struct Settings {
     timeouts: BTreeMap<String, ClassTimeouts>,
     /// Each class's preemptibility.
     preemptible: BTreeMap<String, crate::config::Preemptible>,
+    /// What tells flows apart in the classes that do.
+    fair_by: BTreeMap<String, crate::config::FairBy>,
     default_class: String,
     queued: QueuedPaths,
     max_passthrough: u32,
@@ -84,6 +86,8 @@ pub struct Proxy {
     max_connections: usize,
     ttft: Arc<crate::throttle::ttft::TtftWindow>,
     tally: Arc<Tally>,
+    /// Hashes flow keys (`fair_by`) with a key of this process's own.
+    flow_keys: std::hash::RandomState,
 }
 
 /// The shared pieces a proxy is built from.
@@ -139,6 +143,7 @@ impl Proxy {
             max_connections: config.server.max_connections as usize,
             ttft: parts.ttft,
             tally: parts.tally,
+            flow_keys: std::hash::RandomState::new(),
             metrics: parts.metrics,
         })
     }
@@ -270,6 +275,11 @@ impl From<&Config> for Settings {
                 .class
                 .iter()
                 .map(|(name, class)| (name.clone(), class.preemptible))
+                .collect(),
+            fair_by: config
+                .class
+                .iter()
+                .filter_map(|(name, class)| Some((name.clone(), class.fair_by.clone()?)))
                 .collect(),
             default_class: config.classify.default.clone(),
             queued: QueuedPaths::new(config.server.queued_paths.iter().map(String::as_str)),

@@ -5,6 +5,7 @@
 //! One mutex guards the whole state; every critical section is short and never awaits.
 
 pub mod estimator;
+mod fair;
 mod progress;
 mod ticket;
 
@@ -71,6 +72,8 @@ pub struct Job {
     pub tokens: Option<u64>,
     /// Its class may be preempted and this request can be continued later.
     pub preemptible: bool,
+    /// Its flow within the class (`fair_by`): a key, or 0 for the shared flow.
+    pub flow: u64,
 }
 
 /// A class's limits, from its config.
@@ -78,6 +81,8 @@ pub struct Job {
 struct Limits {
     priority: i32,
     max_queue: usize,
+    /// Requests one flow may have waiting (`max_queue_per_flow`).
+    max_per_flow: usize,
     deadline: Option<Duration>,
 }
 
@@ -92,12 +97,17 @@ struct Waiter {
     preemptible: bool,
     /// It ran, was preempted, and waits to go on (first in its class's line): since when.
     paused: Option<Instant>,
+    /// Its flow, and its place in the class's fair order.
+    flow: u64,
+    tag: u128,
     grant: oneshot::Sender<Grant>,
 }
 
 struct ClassState {
     limits: Limits,
+    /// In fair order (tags ascending): first come, first served within a flow.
     queue: VecDeque<Waiter>,
+    flows: fair::Flows,
     running: usize,
     /// Removed from the config by a reload: takes no new requests, drains what it has.
     retired: bool,
@@ -210,6 +220,7 @@ impl Scheduler {
             let limits = Limits {
                 priority: class.priority,
                 max_queue: class.max_queue,
+                max_per_flow: class.max_queue_per_flow.unwrap_or(usize::MAX),
                 deadline: class.deadline_ms.map(Duration::from_millis),
             };
             self.metrics.set_deadline(name, limits.deadline);
@@ -223,6 +234,7 @@ impl Scheduler {
                     let fresh = ClassState {
                         limits,
                         queue: VecDeque::new(),
+                        flows: fair::Flows::default(),
                         running: 0,
                         retired: false,
                     };
@@ -240,9 +252,27 @@ impl Scheduler {
         let now = Instant::now();
         let mut state = self.lock();
         let (name, limits) = state.open_class(&job.class)?;
-        let position = state.classes.get(&name).map_or(0, |c| c.queue.len());
+        let service = state
+            .estimator
+            .service_time(&name, job.model.as_deref(), job.tokens);
+        let (flow, tag, position, queued, flow_waiting) = match state.classes.get(&name) {
+            Some(class) => {
+                let flow = class.flows.flow_of(job.flow);
+                let tag = class.flows.peek(flow);
+                let position = class.queue.partition_point(|w| w.tag <= tag);
+                (
+                    flow,
+                    tag,
+                    position,
+                    class.queue.len(),
+                    class.flows.waiting(flow),
+                )
+            }
+            None => (fair::SHARED, 0, 0, 0, 0),
+        };
         let starts = state.predict_start(now, &name, position);
-        if position >= limits.max_queue && !state.starts_now(&name) {
+        let full = queued >= limits.max_queue || flow_waiting >= limits.max_per_flow;
+        if full && !state.starts_now(&name) {
             let head_starts = state.predict_start(now, &name, 0);
             return Err(Rejection {
                 reason: RejectReason::QueueFull,
@@ -257,22 +287,26 @@ impl Scheduler {
                 retry_after: starts - deadline,
             });
         }
-        let service = state
-            .estimator
-            .service_time(&name, job.model.as_deref(), job.tokens);
         let id = state.next_id;
         state.next_id += 1;
         let (grant, granted) = oneshot::channel();
         if let Some(class_state) = state.classes.get_mut(&name) {
-            class_state.queue.push_back(Waiter {
-                id,
-                arrived: now,
-                service,
-                tokens: job.tokens,
-                preemptible: job.preemptible,
-                paused: None,
-                grant,
-            });
+            let joined = class_state.flows.join(flow, service);
+            debug_assert_eq!(joined, tag);
+            class_state.queue.insert(
+                position,
+                Waiter {
+                    id,
+                    arrived: now,
+                    service,
+                    tokens: job.tokens,
+                    preemptible: job.preemptible,
+                    paused: None,
+                    flow,
+                    tag,
+                    grant,
+                },
+            );
         }
         self.publish(&state, &name);
         self.dispatch(&mut state);
@@ -296,11 +330,11 @@ impl Scheduler {
             let Some(name) = state.next_to_dispatch() else {
                 break;
             };
-            let Some(waiter) = state
-                .classes
-                .get_mut(&name)
-                .and_then(|class| class.queue.pop_front())
-            else {
+            let Some(waiter) = state.classes.get_mut(&name).and_then(|class| {
+                let waiter = class.queue.pop_front()?;
+                class.flows.leave(waiter.flow, waiter.tag, true);
+                Some(waiter)
+            }) else {
                 break;
             };
             let now = Instant::now();
@@ -341,6 +375,8 @@ impl Scheduler {
             let service = running.remaining(Instant::now());
             if let Some(class_state) = state.classes.get_mut(class) {
                 class_state.running = class_state.running.saturating_sub(1);
+                let flow = class_state.flows.flow_of(job.flow);
+                let tag = class_state.flows.rejoin(flow);
                 class_state.queue.push_front(Waiter {
                     id,
                     arrived,
@@ -348,6 +384,8 @@ impl Scheduler {
                     tokens: job.tokens,
                     preemptible: job.preemptible,
                     paused: Some(Instant::now()),
+                    flow,
+                    tag,
                     grant,
                 });
             }
@@ -389,9 +427,11 @@ impl Scheduler {
         let Some(class_state) = state.classes.get_mut(class) else {
             return false;
         };
-        let before = class_state.queue.len();
-        class_state.queue.retain(|waiter| waiter.id != id);
-        let removed = class_state.queue.len() < before;
+        let found = class_state.queue.iter().position(|waiter| waiter.id == id);
+        let removed = found
+            .and_then(|at| class_state.queue.remove(at))
+            .inspect(|waiter| class_state.flows.leave(waiter.flow, waiter.tag, false))
+            .is_some();
         if removed {
             self.publish(&state, class);
             state.compact();

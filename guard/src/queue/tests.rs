@@ -40,7 +40,51 @@ fn job(class: &str, model: Option<&str>) -> Job {
         model: model.map(str::to_owned),
         tokens: None,
         preemptible: false,
+        flow: 0,
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_small_flow_is_served_in_turn_with_a_large_one() {
+    let mut config = config(1);
+    if let Some(batch) = config.class.get_mut("batch") {
+        batch.max_queue = 100;
+        batch.max_queue_per_flow = Some(50);
+    }
+    let scheduler = Scheduler::new(&config, Metrics::new());
+    let of = |flow| Job {
+        flow,
+        ..job("batch", None)
+    };
+    let mut line: Vec<(Ticket, u64)> = Vec::new();
+    // The first starts at once; fifty more wait.
+    for _ in 0..51 {
+        line.push((scheduler.enqueue(of(1)).expect("admit"), 1));
+    }
+    assert_eq!(
+        scheduler.enqueue(of(1)).expect_err("per-flow limit").reason,
+        RejectReason::QueueFull
+    );
+    for _ in 0..5 {
+        line.push((scheduler.enqueue(of(2)).expect("admit"), 2));
+    }
+    // Serve one at a time and note whose turn it was.
+    let mut served = Vec::new();
+    while !line.is_empty() {
+        let at = line
+            .iter_mut()
+            .position(|(ticket, _)| is_granted(ticket))
+            .expect("one is granted");
+        let (ticket, flow) = line.remove(at);
+        served.push(flow);
+        drop(granted(ticket).await);
+    }
+    let small_last = served.iter().rposition(|f| *f == 2).expect("served");
+    assert!(
+        small_last < 10,
+        "the small flow's last job came {}th: {served:?}",
+        small_last + 1
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -2,6 +2,8 @@
 //! admit it, wait for its turn, forward it, relay the answer. Each returns the ending that
 //! stops the request, if it does.
 
+use std::hash::BuildHasher as _;
+
 use bytes::Bytes;
 use http::{Request, request};
 use http_body_util::BodyExt as _;
@@ -10,7 +12,7 @@ use hyper::body::Incoming;
 use super::{Ending, QueuedRequest, preempt::Tracked};
 use crate::{
     classify::RequestFacts,
-    config::Preemptible,
+    config::{FairBy, Preemptible},
     proxy::{
         budget::Held,
         error::ProxyError,
@@ -82,11 +84,13 @@ impl QueuedRequest {
         self.model.clone_from(&asks.model);
         self.check_remote(&class, &asks)?;
         let tracked = self.plan(&head, &bytes, &class).map(Tracked::new);
+        let flow = self.flow_key(&head, &class);
         let ticket = self.admit(Job {
             class,
             tokens: asks.tokens(),
             model: asks.model,
             preemptible: tracked.is_some(),
+            flow,
         })?;
         self.wait(ticket).await?;
         // Boxed: a request waiting in the queue (there may be thousands) then holds only the
@@ -97,6 +101,32 @@ impl QueuedRequest {
             Some(tracked) => Box::pin(self.relay_tracked(exchange, response, tracked, &head)).await,
             None => Box::pin(self.relay(exchange, response)).await,
         })
+    }
+
+    /// The key of the request's flow in its class (`fair_by`); 0 (the shared flow) where the
+    /// class does not tell flows apart or the request has no such key.
+    fn flow_key(&self, head: &request::Parts, class: &str) -> u64 {
+        let Some(by) = self.settings.fair_by.get(class) else {
+            return 0;
+        };
+        let (listen, client) = (self.proxy.listen, self.connection.peer);
+        let tracker = self.proxy.tracker.as_deref();
+        let peer = || self.connection.process(|| peer_of(tracker, client, listen));
+        let key = match by {
+            FairBy::Uid => peer().and_then(|p| p.uid).map(|uid| uid.to_string()),
+            FairBy::Unit => peer()
+                .and_then(|p| p.cgroup.clone())
+                .and_then(|path| path.rsplit('/').next().map(str::to_owned)),
+            FairBy::Cgroup => peer().and_then(|p| p.cgroup.clone()),
+            FairBy::Token => crate::secret::bearer(&head.headers).map(str::to_owned),
+            FairBy::Source => Some(client.ip().to_canonical().to_string()),
+            FairBy::Header(name) => head
+                .headers
+                .get(name)
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
+        };
+        // Keys are hashed with a per-process key: nothing a client sends is kept.
+        key.map_or(0, |key| self.proxy.flow_keys.hash_one(key).max(1))
     }
 
     /// How a request of a preemptible class would go on after a preemption, where it can.
