@@ -24,6 +24,9 @@ pub enum Bench {
     Limits,
     /// Each libFuzzer target for a million inputs.
     Fuzz,
+    /// Interactive TTFT idle, under a batch flood, and under it with preemption; batch valid
+    /// jobs per hour and tokens regenerated.
+    Preempt,
 }
 
 impl Bench {
@@ -36,6 +39,7 @@ impl Bench {
             Self::Protect => "protect",
             Self::Limits => "limits",
             Self::Fuzz => "fuzz",
+            Self::Preempt => "preempt",
         }
     }
 }
