@@ -270,3 +270,51 @@ async fn a_small_flow_gets_its_turns_beside_a_large_one() {
         "the last of the small flow came at {last_b}, {before} were done before it arrived: {order:?}"
     );
 }
+
+/// `expect = "json"`: a job counts as valid only when its answer's text is JSON, streamed or
+/// whole; the last hour's jobs and tokens show in /status.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_class_that_expects_json_counts_only_json_answers() {
+    let _serial = serial().await;
+    let llama = LlamaServer::start(1).await;
+    let config = CONFIG.replace("preemptible = true\n", "expect = \"json\"\n");
+    let guard = GuardProcess::start(llama.addr, "openai", &config);
+    let batch = [("x-guard-class", "batch")];
+    let json_only = json!({ "prompt": "Answer:", "grammar": "root ::= \"{\\\"ok\\\": true}\"", "n_predict": 20 });
+    let prose = json!({ "prompt": "Once upon a time", "n_predict": 8, "ignore_eos": true });
+    for (body, stream) in [
+        (&json_only, false),
+        (&json_only, true),
+        (&prose, false),
+        (&prose, true),
+    ] {
+        let mut body = body.clone();
+        body["stream"] = json!(stream);
+        let answer = post_streamed(guard.listen, "/completion", &batch, &body).await;
+        assert_eq!(answer.status, 200);
+    }
+    let text = guard.metrics_text().await;
+    let m = |series: &str| guard_tests::metric(&text, series).unwrap_or(0.0);
+    assert_eq!(
+        m("guard_jobs_total{class=\"batch\",result=\"valid\"}"),
+        2.0,
+        "the two JSON answers"
+    );
+    assert_eq!(
+        m("guard_jobs_total{class=\"batch\",result=\"invalid\"}"),
+        2.0,
+        "the two in prose"
+    );
+    let status = guard_tests::http::get(guard.metrics, "/status")
+        .await
+        .expect("status")
+        .json();
+    assert_eq!(status["last_hour"]["batch"]["valid_jobs"], 2, "{status}");
+    assert_eq!(status["last_hour"]["batch"]["invalid_jobs"], 2, "{status}");
+    assert!(
+        status["last_hour"]["batch"]["generated_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 16
+    );
+}

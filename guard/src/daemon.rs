@@ -133,6 +133,7 @@ pub async fn run(
     let scheduler = Scheduler::new(&config, metrics.clone());
     let ttft = Arc::new(TtftWindow::default());
     let tally = Arc::new(Tally::new(&metrics));
+    let throughput = Arc::new(proxy::Throughput::default());
     let watched = watchers::spawn(&config, &metrics, upstream::Client::new(&config.upstream));
     let proxy = Arc::new(Proxy::new(
         &config,
@@ -144,6 +145,7 @@ pub async fn run(
             watched: Arc::clone(&watched),
             ttft: Arc::clone(&ttft),
             tally: Arc::clone(&tally),
+            throughput: Arc::clone(&throughput),
         },
     )?);
     let risk_view = Arc::new(risk::RiskView::default());
@@ -157,6 +159,7 @@ pub async fn run(
         risk: Arc::clone(&risk_view),
         throttler: Arc::clone(&throttler),
         tally,
+        throughput,
         started,
     };
     let status: metrics::StatusFn =
@@ -370,6 +373,7 @@ struct StatusSources {
     risk: Arc<risk::RiskView>,
     throttler: Arc<Mutex<Throttler>>,
     tally: Arc<Tally>,
+    throughput: Arc<proxy::Throughput>,
     started: Instant,
 }
 
@@ -403,6 +407,7 @@ impl StatusSources {
             },
             classes: self.scheduler.snapshot(),
             classified: self.tally.snapshot(),
+            last_hour: self.throughput.last_hour(),
             capabilities: crate::privileges::held(),
             risk: RiskStatus {
                 signals: self.risk.signals(),

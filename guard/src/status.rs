@@ -25,6 +25,8 @@ pub struct Status {
     pub classes: Vec<ClassSnapshot>,
     /// Per class, what sent how many requests there (a rule's name, `header`, `default`).
     pub classified: BTreeMap<String, BTreeMap<String, u64>>,
+    /// Per class, jobs and tokens over the last hour.
+    pub last_hour: BTreeMap<String, crate::proxy::Hourly>,
     pub risk: RiskStatus,
     /// The capabilities the daemon holds now (after it dropped what it no longer needs).
     pub capabilities: Vec<String>,
@@ -167,6 +169,16 @@ pub fn render(status: &Status) -> String {
             class.queued,
             class.running,
             class.predicted_wait_ms,
+        ));
+    }
+    out.push_str(&format!(
+        "\n{:<14} {:>10} {:>12} {:>14} {:>16}\n",
+        "last hour", "valid jobs", "invalid jobs", "prompt tokens", "generated tokens"
+    ));
+    for (class, hour) in &status.last_hour {
+        out.push_str(&format!(
+            "{class:<14} {:>10} {:>12} {:>14} {:>16}\n",
+            hour.valid_jobs, hour.invalid_jobs, hour.prompt_tokens, hour.generated_tokens
         ));
     }
     out.push_str(&format!("\n{:<14} {}\n", "class", "sent by"));

@@ -221,6 +221,9 @@ pub struct ClassConfig {
     /// "header:NAME"; absent: first come, first served.
     #[serde(default)]
     pub fair_by: Option<FairBy>,
+    /// What a valid job's answer must be: "json" (its text parses as JSON).
+    #[serde(default)]
+    pub expect: Option<Expect>,
     /// Requests one flow may have waiting; one more is 503 (queue_full). Absent: max_queue.
     #[serde(default)]
     pub max_queue_per_flow: Option<usize>,
@@ -251,6 +254,7 @@ impl ClassConfig {
             preemptible: Preemptible::No,
             fair_by: None,
             max_queue_per_flow: None,
+            expect: None,
         }
     }
 
@@ -324,6 +328,13 @@ pub struct RuleConfig {
     /// What the config's words resolve to, filled in when the config is read.
     #[serde(skip)]
     pub resolved: ResolvedRule,
+}
+
+/// What a class's answers must be to count as valid jobs.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Expect {
+    Json,
 }
 
 /// What tells one client's requests from another's, for fair turns inside a class.

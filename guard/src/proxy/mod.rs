@@ -9,6 +9,7 @@ pub mod outcome;
 mod passthrough;
 mod request;
 mod serve;
+mod throughput;
 
 use std::{
     collections::BTreeMap,
@@ -22,6 +23,7 @@ use hyper::body::Incoming;
 
 pub use error::{ErrorShape, ProxyError};
 pub use serve::{serve, serve_connection, stop_requested};
+pub use throughput::{Hourly, Throughput};
 
 use crate::{
     classify::{Classifier, Tally},
@@ -51,6 +53,8 @@ struct Settings {
     preemptible: BTreeMap<String, crate::config::Preemptible>,
     /// What tells flows apart in the classes that do.
     fair_by: BTreeMap<String, crate::config::FairBy>,
+    /// The classes whose answers must parse as JSON to count as valid jobs.
+    expect_json: std::collections::BTreeSet<String>,
     default_class: String,
     queued: QueuedPaths,
     max_passthrough: u32,
@@ -86,6 +90,7 @@ pub struct Proxy {
     max_connections: usize,
     ttft: Arc<crate::throttle::ttft::TtftWindow>,
     tally: Arc<Tally>,
+    throughput: Arc<Throughput>,
     /// Hashes flow keys (`fair_by`) with a key of this process's own.
     flow_keys: std::hash::RandomState,
 }
@@ -101,6 +106,8 @@ pub struct Parts {
     pub ttft: Arc<crate::throttle::ttft::TtftWindow>,
     /// Where classification decisions are counted.
     pub tally: Arc<Tally>,
+    /// Where finished jobs are counted for the last hour.
+    pub throughput: Arc<Throughput>,
 }
 
 impl Proxy {
@@ -143,6 +150,7 @@ impl Proxy {
             max_connections: config.server.max_connections as usize,
             ttft: parts.ttft,
             tally: parts.tally,
+            throughput: parts.throughput,
             flow_keys: std::hash::RandomState::new(),
             metrics: parts.metrics,
         })
@@ -280,6 +288,12 @@ impl From<&Config> for Settings {
                 .class
                 .iter()
                 .filter_map(|(name, class)| Some((name.clone(), class.fair_by.clone()?)))
+                .collect(),
+            expect_json: config
+                .class
+                .iter()
+                .filter(|(_, class)| class.expect == Some(crate::config::Expect::Json))
+                .map(|(name, _)| name.clone())
                 .collect(),
             default_class: config.classify.default.clone(),
             queued: QueuedPaths::new(config.server.queued_paths.iter().map(String::as_str)),

@@ -278,7 +278,9 @@ impl Said {
         let u64_at = |pointer: &str| event.pointer(pointer)?.as_u64();
         match endpoint {
             Endpoint::OpenAiChat | Endpoint::OpenAiCompletion => Self {
-                text: str_at("/choices/0/delta/content").or_else(|| str_at("/choices/0/text")),
+                text: str_at("/choices/0/delta/content")
+                    .or_else(|| str_at("/choices/0/text"))
+                    .or_else(|| str_at("/choices/0/message/content")),
                 generated: u64_at("/timings/predicted_n")
                     .or_else(|| u64_at("/usage/completion_tokens")),
                 prompt: u64_at("/usage/prompt_tokens"),
@@ -300,6 +302,11 @@ impl Said {
             },
         }
     }
+}
+
+/// Whether an answer's text is one JSON value (what `expect = "json"` asks of a valid job).
+pub fn is_json(text: &str) -> bool {
+    serde_json::from_str::<serde::de::IgnoredAny>(text.trim()).is_ok()
 }
 
 /// An event with its text replaced (the echo of a prefill taken out).

@@ -27,7 +27,7 @@ use crate::{
     proxy::budget::Held,
     queue::Permit,
     reap::{event::monotonic_now, registry::Connection},
-    upstream::{Body, asks::Asks, exchange::Exchange, usage::Usage},
+    upstream::{Body, asks::Asks, exchange::Exchange, resume::Endpoint, usage::Usage},
 };
 
 /// What guard reads from a body: its model and the output tokens it asks for.
@@ -136,6 +136,10 @@ pub(super) struct QueuedRequest {
     ttft: Option<Duration>,
     /// What the answer said of its tokens and its end, once it has ended.
     usage: Option<Usage>,
+    /// The endpoint, where guard can read its answers' text.
+    endpoint: Option<Endpoint>,
+    /// Whether the answer's text parsed as JSON (read only for classes that expect it).
+    answer_is_json: Option<bool>,
     concluded: bool,
 }
 
@@ -169,6 +173,8 @@ impl QueuedRequest {
             waited: Duration::ZERO,
             ttft: None,
             usage: None,
+            endpoint: None,
+            answer_is_json: None,
             concluded: false,
         }
     }
@@ -225,9 +231,21 @@ impl QueuedRequest {
         };
         let metrics = &self.proxy.metrics;
         let usage = self.usage.unwrap_or_default();
-        let valid = *outcome == Outcome::Completed && usage.ended;
+        // A class that expects JSON counts only answers whose text parses as JSON.
+        let shaped =
+            !self.settings.expect_json.contains(class) || self.answer_is_json == Some(true);
+        let valid = *outcome == Outcome::Completed && usage.ended && shaped;
         let result = if valid { "valid" } else { "invalid" };
         metrics.jobs_total.with_label_values(&[class, result]).inc();
+        self.proxy.throughput.record(
+            class,
+            crate::proxy::Hourly {
+                valid_jobs: u64::from(valid),
+                invalid_jobs: u64::from(!valid),
+                prompt_tokens: usage.prompt.unwrap_or(0),
+                generated_tokens: usage.generated.unwrap_or(0),
+            },
+        );
         for (kind, count) in [("prompt", usage.prompt), ("generated", usage.generated)] {
             if let Some(count) = count {
                 metrics

@@ -21,7 +21,11 @@ use crate::{
     queue::{Job, RejectReason, Ticket},
     quote::quote,
     reap::peer::peer_of,
-    upstream::{asks::Asks, exchange::Exchange, resume::Plan},
+    upstream::{
+        asks::Asks,
+        exchange::Exchange,
+        resume::{Endpoint, Plan},
+    },
 };
 
 type Phase<T> = Result<T, Ending>;
@@ -83,6 +87,9 @@ impl QueuedRequest {
         self.class = Some(class.clone());
         self.model.clone_from(&asks.model);
         self.check_remote(&class, &asks)?;
+        self.endpoint = crate::route::normalize(head.uri.path())
+            .ok()
+            .and_then(|path| Endpoint::of(&path));
         let tracked = self.plan(&head, &bytes, &class).map(Tracked::new);
         let flow = self.flow_key(&head, &class);
         let ticket = self.admit(Job {

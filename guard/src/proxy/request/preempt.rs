@@ -214,6 +214,9 @@ impl QueuedRequest {
             tracked.read(b"\n");
         }
         let transcript = &tracked.transcript;
+        if self.expects_json() {
+            self.answer_is_json = Some(resume::is_json(&transcript.text));
+        }
         self.usage = Some(Usage {
             prompt: transcript.prompt_tokens,
             generated: Some(transcript.generated),

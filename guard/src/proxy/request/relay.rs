@@ -18,7 +18,8 @@ use crate::{
     upstream::{
         api::{self, ollama},
         exchange::Exchange,
-        frames::{self, StreamFormat},
+        frames::{self, Lines, StreamFormat},
+        resume::{self, Endpoint, Transcript},
         strip_hop_by_hop, usage,
     },
 };
@@ -56,6 +57,30 @@ pub(super) struct Relay {
     tail: Vec<u8>,
     /// The upstream answered with a success status.
     success: bool,
+    /// The answer's text, read where the class expects JSON.
+    text: Option<AnswerText>,
+}
+
+/// An answer's text, read event by event as it passes.
+struct AnswerText {
+    endpoint: Endpoint,
+    transcript: Transcript,
+    lines: Lines,
+}
+
+impl AnswerText {
+    fn push(&mut self, format: StreamFormat, data: &[u8]) {
+        let Self {
+            endpoint,
+            transcript,
+            lines,
+        } = self;
+        lines.push(data, |line| {
+            if let Some(payload) = format.payload(line) {
+                transcript.read(*endpoint, payload);
+            }
+        });
+    }
 }
 
 /// A single-document answer up to this size is kept whole to read its counts.
@@ -87,6 +112,14 @@ impl QueuedRequest {
             sent_data: false,
             tail: Vec::new(),
             success: head_success,
+            text: self
+                .endpoint
+                .filter(|_| self.expects_json())
+                .map(|endpoint| AnswerText {
+                    endpoint,
+                    transcript: Transcript::default(),
+                    lines: Lines::default(),
+                }),
         };
         // One interrupt future for the whole answer: frames are token-sized and many.
         let watch = self.watch();
@@ -115,6 +148,12 @@ impl QueuedRequest {
             // A single document is whole when its body ended as framed.
             usage.ended = relay.success && (usage.ended || relay.format == StreamFormat::Whole);
             self.usage = Some(usage);
+            if let Some(text) = &mut relay.text {
+                if relay.format == StreamFormat::Whole {
+                    text.transcript.read(text.endpoint, &relay.tail);
+                }
+                self.answer_is_json = Some(resume::is_json(&text.transcript.text));
+            }
             if self.shape == ErrorShape::Ollama {
                 self.note_cold_load(&relay.tail);
             }
@@ -151,6 +190,11 @@ impl QueuedRequest {
         if let Some(data) = frame.data_ref() {
             if let Some(permit) = &self.permit {
                 permit.progress().advance(relay.format.count_tokens(data));
+            }
+            if let Some(text) = &mut relay.text
+                && relay.format != StreamFormat::Whole
+            {
+                text.push(relay.format, data);
             }
             match relay.format {
                 StreamFormat::Whole if relay.tail.len() + data.len() <= WHOLE_BYTES => {
@@ -211,6 +255,13 @@ impl QueuedRequest {
         )
     }
 
+    /// Whether this request's class counts only answers that parse as JSON.
+    pub(super) fn expects_json(&self) -> bool {
+        self.class
+            .as_ref()
+            .is_some_and(|class| self.settings.expect_json.contains(class))
+    }
+
     /// The first byte of the answer goes to the client now.
     pub(super) fn first_byte(&mut self) {
         let ttft = self.arrived.elapsed();
@@ -264,6 +315,7 @@ impl Relay {
             sent_data: false,
             tail: Vec::new(),
             success: true,
+            text: None,
         }
     }
 

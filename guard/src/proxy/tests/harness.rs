@@ -375,6 +375,7 @@ impl Harness {
             watched: Arc::new(Watched::default()),
             ttft: Arc::default(),
             tally: Arc::new(crate::classify::Tally::new(&metrics)),
+            throughput: Arc::default(),
         };
         let proxy = Proxy::with_dial(&config, parts, Dial::Memory(connect)).expect("a proxy");
         Self {
