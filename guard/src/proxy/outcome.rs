@@ -150,6 +150,10 @@ const FAIL_KINDS: [FailKind; 5] = [
 /// `absent()` alerts see a class before its first request.
 pub fn init_class(metrics: &Metrics, class: &str) {
     metrics.preempted_total.with_label_values(&[class]);
+    metrics.preempt_pause_seconds.with_label_values(&[class]);
+    metrics
+        .generation_tokens_per_second
+        .with_label_values(&[class]);
     for result in ["valid", "invalid"] {
         metrics.jobs_total.with_label_values(&[class, result]);
     }
