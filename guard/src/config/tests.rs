@@ -302,6 +302,7 @@ mod properties {
                 tokens,
                 preemptible: class == "batch",
                 flow: 0,
+                prompt_tokens: 10,
             };
             if let Ok(ticket) = scheduler.enqueue(job) {
                 tickets.push(ticket);

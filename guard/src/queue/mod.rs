@@ -74,6 +74,8 @@ pub struct Job {
     pub preemptible: bool,
     /// Its flow within the class (`fair_by`): a key, or 0 for the shared flow.
     pub flow: u64,
+    /// Its prompt's size in tokens, roughly.
+    pub prompt_tokens: u64,
 }
 
 /// A class's limits, from its config.
@@ -252,9 +254,12 @@ impl Scheduler {
         let now = Instant::now();
         let mut state = self.lock();
         let (name, limits) = state.open_class(&job.class)?;
-        let service = state
-            .estimator
-            .service_time(&name, job.model.as_deref(), job.tokens);
+        let service = state.estimator.service_time(
+            &name,
+            job.model.as_deref(),
+            job.tokens,
+            job.prompt_tokens,
+        );
         let (flow, tag, position, queued, flow_waiting) = match state.classes.get(&name) {
             Some(class) => {
                 let flow = class.flows.flow_of(job.flow);
@@ -402,7 +407,7 @@ impl Scheduler {
     }
 
     /// Frees a permit and starts the next request; a completed one teaches the estimator.
-    fn release(&self, id: u64, class: &str, completed: Option<(&Job, Duration)>) {
+    fn release(&self, id: u64, class: &str, completed: Option<estimator::Observation<'_>>) {
         let mut state = self.lock();
         if state.running.remove(&id).is_none() {
             return;
@@ -410,10 +415,8 @@ impl Scheduler {
         if let Some(class_state) = state.classes.get_mut(class) {
             class_state.running = class_state.running.saturating_sub(1);
         }
-        if let Some((job, took)) = completed {
-            state
-                .estimator
-                .record(class, job.model.as_deref(), job.tokens, took);
+        if let Some(seen) = completed {
+            state.estimator.record(&seen);
         }
         self.publish(&state, class);
         self.dispatch(&mut state);

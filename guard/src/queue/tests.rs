@@ -41,6 +41,7 @@ fn job(class: &str, model: Option<&str>) -> Job {
         tokens: None,
         preemptible: false,
         flow: 0,
+        prompt_tokens: 0,
     }
 }
 
@@ -248,7 +249,7 @@ async fn the_estimate_learns_from_completions() {
         )
         .await;
         tokio::time::advance(Duration::from_millis(200)).await;
-        permit.complete();
+        permit.complete(None, None);
     }
     let _running = granted(
         scheduler

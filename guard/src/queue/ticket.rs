@@ -147,12 +147,20 @@ impl Permit {
         &self.progress
     }
 
-    /// Frees the slot and teaches the estimator how long this completed request took.
-    pub fn complete(mut self) {
+    /// Frees the slot and teaches the estimator how long this completed request took, with
+    /// the tokens the server said it generated and its decode rate, where it said.
+    pub fn complete(mut self, generated: Option<u64>, decode_per_second: Option<f64>) {
         self.released = true;
-        let took = self.dispatched.elapsed();
-        self.scheduler
-            .release(self.id, &self.class, Some((&self.job, took)));
+        let seen = super::estimator::Observation {
+            class: &self.class,
+            model: self.job.model.as_deref(),
+            tokens: self.job.tokens,
+            prompt: self.job.prompt_tokens,
+            generated,
+            decode_per_second,
+            took: self.dispatched.elapsed(),
+        };
+        self.scheduler.release(self.id, &self.class, Some(seen));
     }
 
     /// Stops here for a more urgent request: the slot goes back, and the returned ticket

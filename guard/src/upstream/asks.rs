@@ -14,7 +14,15 @@ pub struct Asks {
     /// OpenAI `max_tokens`, `max_completion_tokens`, responses' `max_output_tokens`,
     /// llama.cpp `n_predict`, Ollama `options.num_predict`, in that order of preference.
     tokens: [Option<u64>; 5],
+    /// Bytes of what the model reads: `prompt`, `messages`, `input`, `system`, `suffix`.
+    pub prompt_bytes: u64,
 }
+
+/// The members whose bytes the model reads as its prompt.
+const PROMPT_FIELDS: [&str; 5] = ["prompt", "messages", "input", "system", "suffix"];
+
+/// Bytes of prompt a token stands for, roughly, across tokenizers and languages.
+const BYTES_PER_TOKEN: u64 = 4;
 
 const TOKEN_FIELDS: [&str; 4] = [
     "max_tokens",
@@ -31,6 +39,9 @@ impl Asks {
             match key.as_ref() {
                 "model" => asks.model = text(value).map(Cow::into_owned),
                 "options" => asks.tokens[4] = nested_num_predict(value),
+                other if PROMPT_FIELDS.contains(&other) => {
+                    asks.prompt_bytes += value.len() as u64;
+                }
                 other => {
                     if let Some(slot) = TOKEN_FIELDS.iter().position(|f| *f == other) {
                         // -1 (no limit) and other non-counts read as none.
@@ -40,6 +51,11 @@ impl Asks {
             }
         });
         asks
+    }
+
+    /// The prompt's size in tokens, roughly (its bytes over four).
+    pub fn prompt_tokens(&self) -> u64 {
+        self.prompt_bytes.div_ceil(BYTES_PER_TOKEN)
     }
 
     /// The output tokens the request asks for, where it says.
@@ -79,6 +95,8 @@ mod tests {
         assert_eq!(asks(r#"{"max_completion_tokens": 9}"#).tokens(), Some(9));
         assert_eq!(asks(r#"{"n_predict": -1}"#).tokens(), None);
         assert_eq!(asks(r#"{"prompt": "x"}"#).tokens(), None);
+        assert_eq!(asks(r#"{"prompt": "abcdefgh"}"#).prompt_tokens(), 3);
+        assert_eq!(asks(r#"{"messages": [], "model": "m"}"#).prompt_tokens(), 1);
     }
 
     #[test]

@@ -301,7 +301,8 @@ impl QueuedRequest {
         self.exchange = None;
         if let Some(permit) = self.permit.take() {
             if completed {
-                permit.complete();
+                let usage = self.usage.unwrap_or_default();
+                permit.complete(usage.generated, usage.decode_per_second);
             } else {
                 permit.release();
             }

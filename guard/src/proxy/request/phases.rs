@@ -95,6 +95,7 @@ impl QueuedRequest {
         let ticket = self.admit(Job {
             class,
             tokens: asks.tokens(),
+            prompt_tokens: asks.prompt_tokens(),
             model: asks.model,
             preemptible: tracked.is_some(),
             flow,
