@@ -119,6 +119,17 @@ fn install_into_a_temporary_root() {
     assert!(root.join(BINARY).is_file() && root.join(UNIT).is_file());
 }
 
+/// Asserts that the unit sets each key to exactly its value.
+fn assert_sets(unit: &str, settings: &[(&str, &str)]) {
+    for (key, value) in settings {
+        assert_eq!(
+            unit_values(unit, key),
+            [*value],
+            "the unit must set {key}={value}"
+        );
+    }
+}
+
 /// The space-separated values of every `key=` line of a unit, in order.
 fn unit_values(unit: &str, key: &str) -> Vec<String> {
     let prefix = format!("{key}=");
@@ -190,18 +201,15 @@ fn the_systemd_unit_verifies() {
         granted.sort();
         assert_eq!(granted, expected, "{key}= grants other capabilities");
     }
-    for (key, value) in [
-        ("NoNewPrivileges", "yes"),
-        ("ProtectSystem", "strict"),
-        ("ProtectHome", "yes"),
-        ("ProtectControlGroups", "no"),
-    ] {
-        assert_eq!(
-            unit_values(&unit, key),
-            [value],
-            "the unit must set {key}={value}"
-        );
-    }
+    assert_sets(
+        &unit,
+        &[
+            ("NoNewPrivileges", "yes"),
+            ("ProtectSystem", "strict"),
+            ("ProtectHome", "yes"),
+            ("ProtectControlGroups", "no"),
+        ],
+    );
     assert!(
         unit.lines()
             .any(|line| line == "ExecStart=/usr/local/bin/guard run --config /etc/guard/guard.toml"),
@@ -273,21 +281,18 @@ fn the_systemd_unit_scores_3_or_less() {
         filter.iter().all(|c| !c.starts_with('~')),
         "SystemCallFilter= must stay an allow list: {filter:?}"
     );
-    for (key, value) in [
-        ("SystemCallErrorNumber", "EPERM"),
-        ("UMask", "0077"),
-        ("PrivateDevices", "yes"),
-        ("ProtectKernelTunables", "yes"),
-        ("ProtectControlGroups", "no"),
-        ("ProtectProc", "default"),
-        ("LimitMEMLOCK", "infinity"),
-    ] {
-        assert_eq!(
-            unit_values(&unit, key),
-            [value],
-            "the unit must set {key}={value}"
-        );
-    }
+    assert_sets(
+        &unit,
+        &[
+            ("SystemCallErrorNumber", "EPERM"),
+            ("UMask", "0077"),
+            ("PrivateDevices", "yes"),
+            ("ProtectKernelTunables", "yes"),
+            ("ProtectControlGroups", "no"),
+            ("ProtectProc", "default"),
+            ("LimitMEMLOCK", "infinity"),
+        ],
+    );
     assert!(
         unit.lines()
             .any(|line| line
