@@ -64,6 +64,16 @@ async fn bench() {
             Some(valid / took.as_secs_f64() * 3600.0),
             Some(counts),
         );
+        // GUARD_BENCH_VERBOSE=1 (with GUARD_LOG=guard=debug): each chat's TTFT and what guard
+        // logged of dispatch and preemption.
+        if std::env::var_os("GUARD_BENCH_VERBOSE").is_some() {
+            eprintln!("{name}: {:?}", outcome.ttft);
+            let said = guard.log_lines();
+            let said = said.iter().filter(|l| l.contains("preempted") || l.contains("dispatched"));
+            for line in said {
+                eprintln!("  {line}");
+            }
+        }
     }
 }
 
