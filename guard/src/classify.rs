@@ -172,9 +172,18 @@ impl Classifier {
 
     /// The class the header asks for, if it names one; an unknown name is an error.
     fn claim(&self, headers: &HeaderMap) -> Result<Option<String>, UnknownClass> {
-        let Some(value) = self.header.as_ref().and_then(|h| headers.get(h)) else {
+        let Some(name) = &self.header else {
             return Ok(None);
         };
+        let mut values = headers.get_all(name).iter();
+        let Some(value) = values.next() else {
+            return Ok(None);
+        };
+        if values.next().is_some() {
+            // Two claims: a front end that appends rather than replaces would let the
+            // client's own win. Neither is taken.
+            return Err(self.unknown("(several values)"));
+        }
         let given = value
             .to_str()
             .unwrap_or_default()
@@ -183,17 +192,21 @@ impl Classifier {
         if self.priority.contains_key(&given) {
             return Ok(Some(given));
         }
+        Err(self.unknown(&given))
+    }
+
+    fn unknown(&self, given: &str) -> UnknownClass {
         let mut known: Vec<&str> = self.priority.keys().map(String::as_str).collect();
         known.sort_unstable();
-        Err(UnknownClass {
-            given: crate::quote::quote(&given),
+        UnknownClass {
+            given: crate::quote::quote(given),
             header: self
                 .header
                 .as_ref()
                 .map(ToString::to_string)
                 .unwrap_or_default(),
             known: known.join(", "),
-        })
+        }
     }
 
     /// The class who the client is gives it, what decided, and whether that trusts the header.
@@ -451,6 +464,12 @@ mod tests {
         );
         // Claiming one's own class changes nothing.
         assert_eq!(decide("/batch", &claiming("batch")).by, DecidedBy::Rule(1));
+        let mut twice = claiming("batch");
+        twice.append("x-guard-class", "interactive".parse().expect("value"));
+        assert!(
+            c.classify(&facts("/front", &twice, None, NO_PEER)).is_err(),
+            "two claims"
+        );
         let err = c
             .classify(&facts("/batch", &claiming("vip"), None, NO_PEER))
             .expect_err("unknown");

@@ -4,7 +4,10 @@
 
 use caps::{CapSet, Capability, CapsHashSet};
 
-use crate::{classify::Classifier, config::Config};
+use crate::{
+    classify::Classifier,
+    config::{Config, FairBy},
+};
 
 #[derive(Debug, thiserror::Error)]
 #[error("cannot drop capabilities ({set:?}): {source}")]
@@ -33,13 +36,38 @@ pub fn held() -> Vec<String> {
 pub fn needed(config: &Config, ebpf_attached: bool) -> CapsHashSet {
     let classifier = Classifier::new(config);
     let exe_rules = config.classify.rule.iter().any(|rule| rule.exe.is_some());
-    let proc_scan =
-        config.watch.upstream_pid == 0 || exe_rules || (!ebpf_attached && classifier.needs_peer());
+    let peer_flows = config.class.values().any(|class| {
+        matches!(
+            class.fair_by,
+            Some(FairBy::Uid | FairBy::Unit | FairBy::Cgroup)
+        )
+    });
+    let proc_scan = config.watch.upstream_pid == 0
+        || exe_rules
+        || (!ebpf_attached && (classifier.needs_peer() || peer_flows));
+    let mut needed = CapsHashSet::new();
     if proc_scan {
-        CapsHashSet::from([Capability::CAP_SYS_PTRACE, Capability::CAP_DAC_READ_SEARCH])
-    } else {
-        CapsHashSet::new()
+        needed.extend([Capability::CAP_SYS_PTRACE, Capability::CAP_DAC_READ_SEARCH]);
     }
+    // Before Linux 5.19, with unprivileged BPF disabled, every bpf() call needs CAP_BPF, map
+    // lookups on guard's own descriptors included.
+    if ebpf_attached && kernel_before(5, 19) {
+        needed.insert(Capability::CAP_BPF);
+    }
+    needed
+}
+
+/// Whether the running kernel is older than `major.minor`.
+fn kernel_before(major: u32, minor: u32) -> bool {
+    let Ok(uname) = nix::sys::utsname::uname() else {
+        return true;
+    };
+    let release = uname.release().to_string_lossy().into_owned();
+    let mut parts = release
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|p| p.parse::<u32>().ok());
+    let version = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    version < (major, minor)
 }
 
 /// Keeps only `keep` (where held) in every set of this thread, and in the bounding set where

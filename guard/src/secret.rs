@@ -60,9 +60,10 @@ impl Secret {
         Self::of(presented).0.ct_eq(&self.0).into()
     }
 
-    /// Whether the request's `Authorization: Bearer TOKEN` carries the token.
+    /// Whether the request's `Authorization: Bearer TOKEN` carries the token (never an empty
+    /// one).
     pub fn authorizes(&self, headers: &HeaderMap) -> bool {
-        bearer(headers).is_some_and(|token| self.matches(token))
+        bearer(headers).is_some_and(|token| !token.is_empty() && self.matches(token))
     }
 }
 

@@ -24,11 +24,15 @@ pub struct Status {
     pub ebpf: EbpfStatus,
     pub classes: Vec<ClassSnapshot>,
     /// Per class, what sent how many requests there (a rule's name, `header`, `default`).
+    /// (Defaults: a newer `guard status` still reads an older daemon.)
+    #[serde(default)]
     pub classified: BTreeMap<String, BTreeMap<String, u64>>,
     /// Per class, jobs and tokens over the last hour.
+    #[serde(default)]
     pub last_hour: BTreeMap<String, crate::proxy::Hourly>,
     pub risk: RiskStatus,
     /// The capabilities the daemon holds now (after it dropped what it no longer needs).
+    #[serde(default)]
     pub capabilities: Vec<String>,
     /// What the watchers last read (host, GPUs, the upstream's own state).
     pub watch: WatchStatus,

@@ -69,7 +69,9 @@ async fn bench() {
         if std::env::var_os("GUARD_BENCH_VERBOSE").is_some() {
             eprintln!("{name}: {:?}", outcome.ttft);
             let said = guard.log_lines();
-            let said = said.iter().filter(|l| l.contains("preempted") || l.contains("dispatched"));
+            let said = said
+                .iter()
+                .filter(|l| l.contains("preempted") || l.contains("dispatched"));
             for line in said {
                 eprintln!("  {line}");
             }

@@ -161,7 +161,8 @@ impl Config {
             Range::new("watch.cold_load_ms", self.watch.cold_load_ms, 0, MAX_MS),
             Range::new("risk.hold_ms", self.risk.hold_ms, 0, MAX_MS),
             Range::new("risk.max_throttle_ms", self.risk.max_throttle_ms, 1, MAX_MS),
-            Range::new("risk.min_release_ms", self.risk.min_release_ms, 0, MAX_MS),
+            // 0 would take a hold again the moment max_throttle_ms let it go.
+            Range::new("risk.min_release_ms", self.risk.min_release_ms, 1, MAX_MS),
             Range::new(
                 "risk.preempt_grace_ms",
                 self.risk.preempt_grace_ms,
@@ -238,6 +239,14 @@ impl Config {
                 Range::new(key("upstream_idle_ms"), class.upstream_idle_ms, 1, MAX_MS),
                 Range::new(key("client_stall_ms"), class.client_stall_ms, 1, MAX_MS),
             ];
+            if let Some(per_flow) = class.max_queue_per_flow {
+                ranges.push(Range::new(
+                    key("max_queue_per_flow"),
+                    per_flow as u64,
+                    1,
+                    MAX_QUEUE,
+                ));
+            }
             for (field, value) in [
                 ("deadline_ms", class.deadline_ms),
                 ("max_duration_ms", class.max_duration_ms),
@@ -384,9 +393,22 @@ impl RuleConfig {
         if self
             .name
             .as_ref()
-            .is_some_and(|n| n.is_empty() || n.len() > 64)
+            .is_some_and(|n| n.is_empty() || n.len() > 64 || n == "header" || n == "default")
         {
-            return Err(Invalid::new("name", "give 1 to 64 characters"));
+            return Err(Invalid::new(
+                "name",
+                "give 1 to 64 characters, not `header` or `default` (what guard calls those)",
+            ));
+        }
+        if self
+            .bearer
+            .as_ref()
+            .is_some_and(|token| token.trim().is_empty())
+        {
+            return Err(Invalid::new(
+                "bearer",
+                "an empty token would match any client",
+            ));
         }
         for (field, glob) in [
             ("model", &self.model),

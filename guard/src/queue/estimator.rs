@@ -108,10 +108,11 @@ impl Rates {
         let (Some(generated), secs) = (seen.generated, seen.took.as_secs_f64()) else {
             return;
         };
+        // Only the server's own decode rate splits the time into reading and generating;
+        // without it (a server that does not say, a preempted answer's segments) the fits
+        // below learn instead.
         let per_token = match seen.decode_per_second {
             Some(rate) if rate > 0.0 => 1.0 / rate,
-            // Without the server's rate: the whole time over the tokens, an upper bound.
-            _ if generated > 0 => secs / generated as f64,
             _ => return,
         };
         self.decode = Some(smooth(self.decode, per_token));

@@ -171,6 +171,7 @@ pub struct ClassSnapshot {
     pub queued: usize,
     pub running: usize,
     /// Of the queued: preempted requests waiting to go on.
+    #[serde(default)]
     pub paused: usize,
     pub held: bool,
     pub retired: bool,
@@ -485,8 +486,15 @@ impl Scheduler {
             .iter()
             .filter_map(|(name, class)| {
                 let deadline = class.limits.deadline?;
-                let oldest = class.queue.front()?;
-                let fraction = oldest.arrived.elapsed().as_secs_f64() / deadline.as_secs_f64();
+                // Fair order puts newer requests of light flows first: the oldest is anywhere.
+                // A paused request met its deadline when it started.
+                let oldest = class
+                    .queue
+                    .iter()
+                    .filter(|w| w.paused.is_none())
+                    .map(|w| w.arrived)
+                    .min()?;
+                let fraction = oldest.elapsed().as_secs_f64() / deadline.as_secs_f64();
                 Some((name.to_string(), fraction))
             })
             .collect()

@@ -29,6 +29,8 @@ struct Target {
     held_since: Option<Instant>,
     /// When it was last let go: it runs at least `min_release` from then.
     released_at: Option<Instant>,
+    /// A restore that failed is tried again from then on, not at once (no busy loop).
+    retry_at: Option<Instant>,
 }
 
 /// Why a class's cgroup was held back or let go (the `reason` label, and the log).
@@ -98,6 +100,7 @@ impl Throttler {
                 record,
                 held_since: None,
                 released_at: None,
+                retry_at: None,
             });
         }
         // Every class, throttleable or not, shows as not held back from the start.
@@ -157,13 +160,15 @@ impl Throttler {
         });
     }
 
-    /// When the next hold reaches `max_throttle`, if any is held.
+    /// When the next hold reaches `max_throttle` (or its failed restore is tried again).
     pub fn next_deadline(&self, limits: Limits) -> Option<Instant> {
         self.targets
             .iter()
-            .filter_map(|t| t.held_since)
+            .filter_map(|t| {
+                let due = t.held_since? + limits.max_throttle;
+                Some(t.retry_at.map_or(due, |retry| retry.max(due)))
+            })
             .min()
-            .map(|since| since + limits.max_throttle)
     }
 
     /// Puts every throttled cgroup back as it was.
@@ -173,7 +178,8 @@ impl Throttler {
 
     fn release(&mut self, reason: Reason, now: Instant, due: impl Fn(Instant) -> bool) {
         for target in &mut self.targets {
-            if !target.held_since.is_some_and(&due) {
+            let waiting = target.retry_at.is_some_and(|at| at > now);
+            if waiting || !target.held_since.is_some_and(&due) {
                 continue;
             }
             match restore_one(target) {
@@ -183,14 +189,21 @@ impl Throttler {
                     });
                     target.held_since = None;
                     target.released_at = Some(now);
+                    target.retry_at = None;
                     changed(&self.metrics, &target.class, "release", reason);
                     tracing::info!(class = target.class, cgroup = %target.cgroup.path.display(), reason = reason.as_str(), held_ms, "restored");
                 }
-                Err(err) => tracing::error!(class = target.class, %err, "could not restore"),
+                Err(err) => {
+                    target.retry_at = Some(now + RETRY);
+                    tracing::error!(class = target.class, %err, "could not restore; trying again in 1 s");
+                }
             }
         }
     }
 }
+
+/// How long a failed restore waits before it is tried again.
+const RETRY: Duration = Duration::from_secs(1);
 
 /// Counts a hold or release and sets the class's gauge.
 fn changed(metrics: &Metrics, class: &str, change: &str, reason: Reason) {

@@ -178,6 +178,48 @@ pub enum Restored {
 /// what `guard restore` (and `guard run`, first) does after a crash. A missing dir holds
 /// nothing.
 pub fn restore_dir(dir: &Path) -> Vec<Restored> {
+    restore_dir_checked(dir, is_cgroup_control)
+}
+
+/// The control files guard changes (and so may put back).
+const CONTROLS: [&str; 4] = [
+    "cgroup.freeze",
+    "cpu.max",
+    "freezer.state",
+    "cpu.cfs_quota_us",
+];
+
+/// The longest value guard records (`max 100000`, `FROZEN`, ...).
+const MAX_VALUE: usize = 64;
+
+/// Whether a record may name `control`: one of the files guard changes, inside a mounted
+/// cgroup filesystem, named without symlinks. A record is data in a directory: it must not
+/// turn into a root write anywhere else.
+fn is_cgroup_control(control: &Path) -> bool {
+    let named = control
+        .file_name()
+        .and_then(|name| name.to_str())
+        .is_some_and(|name| CONTROLS.contains(&name));
+    let Ok(canonical) = control.canonicalize() else {
+        return false;
+    };
+    named
+        && canonical == control
+        && crate::procs::mounts().iter().any(|mount| {
+            matches!(mount.fs_type.as_str(), "cgroup" | "cgroup2")
+                && canonical.starts_with(&mount.point)
+                && canonical != mount.point
+        })
+}
+
+/// `restore_dir`, with the check each record's control file must pass.
+fn restore_dir_checked(dir: &Path, allowed: fn(&Path) -> bool) -> Vec<Restored> {
+    if let Err(reason) = trusted(dir) {
+        return vec![Restored::Failed {
+            record: dir.to_owned(),
+            reason,
+        }];
+    }
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
@@ -189,13 +231,31 @@ pub fn restore_dir(dir: &Path) -> Vec<Restored> {
     records.sort();
     records
         .into_iter()
-        .filter_map(|record| restore_file(&record).transpose())
+        .filter_map(|record| restore_file(&record, allowed).transpose())
         .map(|result| result.unwrap_or_else(|failed| failed))
         .collect()
 }
 
+/// A state directory only its owner can write, and that owner this process's user (a
+/// directory others can write could hold records naming any file).
+fn trusted(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let Ok(meta) = std::fs::symlink_metadata(dir) else {
+        return Ok(()); // nothing there: nothing to restore
+    };
+    let me = nix::unistd::geteuid().as_raw();
+    if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o022 != 0 {
+        return Err(format!(
+            "{} must be a directory of uid {me} that group and others cannot write",
+            dir.display()
+        ));
+    }
+    Ok(())
+}
+
 /// Restores one record file; None where it records nothing outstanding.
-fn restore_file(record: &Path) -> Result<Option<Restored>, Restored> {
+fn restore_file(record: &Path, allowed: fn(&Path) -> bool) -> Result<Option<Restored>, Restored> {
+    use std::os::unix::fs::OpenOptionsExt as _;
     let failed = |reason: String| Restored::Failed {
         record: record.to_owned(),
         reason,
@@ -203,6 +263,7 @@ fn restore_file(record: &Path) -> Result<Option<Restored>, Restored> {
     let mut file = File::options()
         .read(true)
         .write(true)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(record)
         .map_err(|e| failed(e.to_string()))?;
     match file.try_lock() {
@@ -221,6 +282,17 @@ fn restore_file(record: &Path) -> Result<Option<Restored>, Restored> {
         return Ok(None);
     }
     let saved: Saved = serde_json::from_str(&text).map_err(|e| failed(e.to_string()))?;
+    if !allowed(&saved.control) {
+        return Err(failed(format!(
+            "{} is not a cgroup control file guard changes",
+            saved.control.display()
+        )));
+    }
+    if saved.original.len() > MAX_VALUE || saved.original.contains('\n') {
+        return Err(failed(
+            "the recorded value is not one guard wrote".to_owned(),
+        ));
+    }
     cgroup::write(
         &saved.control,
         &restore_value(&saved.control, &saved.original),
@@ -249,19 +321,24 @@ mod tests {
             record.save("0").expect("save");
             std::fs::write(&control, "1").expect("throttle");
             // While a guard holds it, restore leaves it to that guard.
-            assert!(matches!(restore_dir(&state)[..], [Restored::Held { .. }]));
+            let restore = |dir: &Path| restore_dir_checked(dir, |_| true);
+            assert!(matches!(restore(&state)[..], [Restored::Held { .. }]));
             assert_eq!(std::fs::read_to_string(&control).expect("read"), "1");
             // A crash: the lock goes with the process, the record stays.
         }
+        // The real check refuses a file outside a cgroup filesystem.
+        assert!(matches!(restore_dir(&state)[..], [Restored::Failed { .. }]));
+        assert_eq!(std::fs::read_to_string(&control).expect("read"), "1");
+        let restore = |dir: &Path| restore_dir_checked(dir, |_| true);
         assert_eq!(
-            restore_dir(&state),
+            restore(&state),
             [Restored::Put {
                 control: control.clone(),
                 original: "0".to_owned()
             }]
         );
         assert_eq!(std::fs::read_to_string(&control).expect("read"), "0");
-        assert_eq!(restore_dir(&state), [], "nothing is left to restore");
+        assert_eq!(restore(&state), [], "nothing is left to restore");
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
 }

@@ -67,7 +67,9 @@ const CONSTRAINED: [&str; 8] = [
 #[derive(Clone, Debug)]
 pub struct Plan {
     pub endpoint: Endpoint,
-    body: Map<String, Value>,
+    /// The body as the client sent it: parsed again only when it is rewritten, so a waiting
+    /// request holds its bytes (already counted against the body budget), not a tree of them.
+    raw: Bytes,
     /// The client asked for a stream (else guard gives it one JSON answer at the end).
     pub client_streams: bool,
     pub continuation: Continuation,
@@ -76,9 +78,9 @@ pub struct Plan {
 impl Plan {
     /// The plan for a request, or None where it cannot be stopped and continued faithfully
     /// (`resume_only`: or restarted).
-    pub fn of(path: &str, body: &[u8], resume_only: bool) -> Option<Self> {
+    pub fn of(path: &str, raw: &Bytes, resume_only: bool) -> Option<Self> {
         let endpoint = Endpoint::of(path)?;
-        let body: Map<String, Value> = serde_json::from_slice(body).ok()?;
+        let body: Map<String, Value> = serde_json::from_slice(raw).ok()?;
         // Ollama streams unless told not to; the OpenAI-style APIs only when told to.
         let client_streams = match body.get("stream") {
             Some(Value::Bool(stream)) => *stream,
@@ -96,15 +98,20 @@ impl Plan {
         };
         Some(Self {
             endpoint,
-            body,
+            raw: raw.clone(),
             client_streams,
             continuation,
         })
     }
 
+    /// The client's body as a JSON map (it parsed when the plan was made).
+    fn body(&self) -> Map<String, Value> {
+        serde_json::from_slice(&self.raw).unwrap_or_default()
+    }
+
     /// The body the upstream gets first: the client's, as a stream.
     pub fn first_body(&self) -> Bytes {
-        let mut body = self.body.clone();
+        let mut body = self.body();
         body.insert("stream".to_owned(), Value::Bool(true));
         Bytes::from(Value::Object(body).to_string())
     }
@@ -117,7 +124,7 @@ impl Plan {
         if self.continuation == Continuation::Restart || partial.is_empty() {
             return self.first_body();
         }
-        let mut body = self.body.clone();
+        let mut body = self.body();
         body.insert("stream".to_owned(), Value::Bool(true));
         match self.endpoint {
             Endpoint::OpenAiChat | Endpoint::OllamaChat => {
@@ -336,6 +343,8 @@ pub fn whole_answer(endpoint: Endpoint, model: &str, transcript: &Transcript) ->
     let text = &transcript.text;
     let answer = match endpoint {
         Endpoint::OpenAiChat => json!({
+            "id": "chatcmpl-guard",
+            "created": jiff::Timestamp::now().as_second(),
             "object": "chat.completion",
             "model": model,
             "choices": [{
@@ -346,6 +355,8 @@ pub fn whole_answer(endpoint: Endpoint, model: &str, transcript: &Transcript) ->
             "usage": usage,
         }),
         Endpoint::OpenAiCompletion => json!({
+            "id": "cmpl-guard",
+            "created": jiff::Timestamp::now().as_second(),
             "object": "text_completion",
             "model": model,
             "choices": [{ "index": 0, "text": text, "finish_reason": finish }],
@@ -387,7 +398,8 @@ mod tests {
     fn a_chat_is_continued_with_its_answer_as_prefill_and_a_smaller_budget() {
         let body =
             br#"{"messages":[{"role":"user","content":"count"}],"max_tokens":10,"temperature":0}"#;
-        let plan = Plan::of("/v1/chat/completions", body, true).expect("resumable");
+        let plan = Plan::of("/v1/chat/completions", &Bytes::copy_from_slice(body), true)
+            .expect("resumable");
         assert!(!plan.client_streams);
         let first: Value = serde_json::from_slice(&plan.first_body()).expect("json");
         assert_eq!(first["stream"], true);
@@ -402,22 +414,41 @@ mod tests {
 
     #[test]
     fn prompts_take_the_text_and_constrained_answers_are_not_resumed() {
-        let plan = Plan::of("/completion", br#"{"prompt":"Once","n_predict":5}"#, true)
-            .expect("resumable");
+        let plan = Plan::of(
+            "/completion",
+            &Bytes::from_static(br#"{"prompt":"Once","n_predict":5}"#),
+            true,
+        )
+        .expect("resumable");
         let next: Value = serde_json::from_slice(&plan.continued_body(" upon", 9)).expect("json");
         assert_eq!(
             (next["prompt"].as_str(), next["n_predict"].as_u64()),
             (Some("Once upon"), Some(1))
         );
         // Ollama's templated generate, a grammar, a schema: not resumable.
-        assert!(Plan::of("/api/generate", br#"{"prompt":"x"}"#, true).is_none());
+        assert!(
+            Plan::of(
+                "/api/generate",
+                &Bytes::from_static(br#"{"prompt":"x"}"#),
+                true
+            )
+            .is_none()
+        );
         let grammar = br#"{"prompt":"x","grammar":"root ::= \"a\""}"#;
-        assert!(Plan::of("/completion", grammar, true).is_none());
+        assert!(Plan::of("/completion", &Bytes::copy_from_slice(grammar), true).is_none());
         // Without resume-only, a client that waits for one answer can be restarted.
-        let restart = Plan::of("/completion", grammar, false).expect("restartable");
+        let restart =
+            Plan::of("/completion", &Bytes::copy_from_slice(grammar), false).expect("restartable");
         assert_eq!(restart.continuation, Continuation::Restart);
         assert_eq!(restart.continued_body("ab", 2), restart.first_body());
-        assert!(Plan::of("/api/embed", br#"{"input":"x"}"#, false).is_none());
+        assert!(
+            Plan::of(
+                "/api/embed",
+                &Bytes::from_static(br#"{"input":"x"}"#),
+                false
+            )
+            .is_none()
+        );
     }
 
     #[test]

@@ -138,7 +138,7 @@ impl QueuedRequest {
     }
 
     /// How a request of a preemptible class would go on after a preemption, where it can.
-    fn plan(&self, head: &request::Parts, body: &[u8], class: &str) -> Option<Plan> {
+    fn plan(&self, head: &request::Parts, body: &Bytes, class: &str) -> Option<Plan> {
         let resume_only = match self.settings.preemptible.get(class)? {
             Preemptible::No => return None,
             Preemptible::Yes => false,

@@ -129,6 +129,10 @@ impl QueuedRequest {
                     Outcome::Failed(FailKind::UpstreamReset),
                     ProxyError::UpstreamReset(err),
                 )),
+                // A client that leaves once the server has said its last word had its answer.
+                Next::Interrupted(Interrupt::ClientGone) if tracked.transcript.ended => {
+                    Some(Ending::quiet(Outcome::Completed))
+                }
                 Next::Interrupted(interrupt) => Some(self.interrupted(interrupt)),
                 Next::Preempted => self.pause(&mut tracked, head).await.err(),
             };
@@ -209,9 +213,13 @@ impl QueuedRequest {
 
     /// The upstream ended its stream: the whole answer goes to a client that asked for one.
     fn end_tracked(&mut self, tracked: &mut Tracked) -> Ending {
-        let rest = tracked.lines.rest().to_vec();
-        if !rest.is_empty() {
-            tracked.read(b"\n");
+        if !tracked.lines.rest().is_empty() {
+            let (out, _) = tracked.read(b"\n");
+            if let Some(relay) = self.relay.as_ref().filter(|_| tracked.plan.client_streams) {
+                // The last line had no newline: it goes as it came.
+                let last = out.strip_suffix(b"\n").unwrap_or(&out).to_vec();
+                let _ = relay.feed.try_send(Frame::data(Bytes::from(last)));
+            }
         }
         let transcript = &tracked.transcript;
         if self.expects_json() {
@@ -251,7 +259,12 @@ impl QueuedRequest {
         self.exchange = None;
         let proxy = std::sync::Arc::clone(&self.proxy);
         if self.settings.api == Api::Openai {
-            wait_for_free_slot(&proxy.upstream).await;
+            let watch = self.watch();
+            tokio::select! {
+                biased;
+                interrupt = watch.interrupted() => return Err(self.interrupted(interrupt)),
+                _ = tokio::time::timeout(SLOT_FREE_BOUND, wait_for_free_slot(&proxy.upstream)) => {}
+            }
         }
         let paused = Instant::now();
         let class = self.class.clone().unwrap_or_default();
@@ -318,8 +331,10 @@ impl QueuedRequest {
             .continued_body(&transcript.text, transcript.generated);
         let (exchange, answer) = self.forward(head, body).await?;
         if !answer.status.is_success() {
+            // Not an upstream answer relayed as it is: the client's answer is cut short, so
+            // it must not end as if whole.
             return Err(Ending::new(
-                Outcome::Failed(FailKind::UpstreamError),
+                Outcome::Failed(FailKind::UpstreamReset),
                 ProxyError::Continuation(answer.status),
             ));
         }
@@ -332,8 +347,7 @@ impl QueuedRequest {
 /// would wait inside the server. Polls `/slots` until one is free, within a bound (a server
 /// without `/slots` is not waited for).
 async fn wait_for_free_slot(upstream: &crate::upstream::Client) {
-    let started = Instant::now();
-    while started.elapsed() < SLOT_FREE_BOUND {
+    loop {
         let Some(body) = upstream.get("/slots").await else {
             return;
         };
