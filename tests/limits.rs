@@ -164,8 +164,17 @@ async fn the_concurrency_bound_is_exact_under_a_random_mix_and_a_lowered_limit()
     )
     .expect("SIGHUP");
     guard.wait_for_log("config reloaded");
-    // Running requests finish; from then on the lower limit holds.
-    until("two or fewer in flight", async || upstream.open() <= 2).await;
+    // Running requests finish; from then on the lower limit holds. guard's own count too: a
+    // request dispatched just before the reload may not have reached the upstream yet.
+    until("two or fewer in flight", async || {
+        let text = guard.metrics_text().await;
+        let inflight: f64 = ["interactive", "batch"]
+            .iter()
+            .filter_map(|c| metric(&text, &format!("guard_inflight{{class=\"{c}\"}}")))
+            .sum();
+        inflight <= 2.0 && upstream.open() <= 2
+    })
+    .await;
     upstream.reset_peak();
     for id in EACH_PHASE..2 * EACH_PHASE {
         mix_client(&mut clients, guard.listen, &mut rng, id);
