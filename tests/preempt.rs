@@ -217,14 +217,16 @@ async fn tokens_are_the_servers_own_count_and_a_cut_job_is_invalid() {
         "ignore_eos": true,
         "stream": true,
     });
-    let addr = guard.listen;
-    let cut = tokio::spawn(async move { post_streamed(addr, "/completion", &[], &long).await });
-    guard
-        .wait_for_metric("guard_inflight{class=\"interactive\"}", 1.0)
-        .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (response, _sender, _connection) =
+        guard_tests::http::open_post(guard.listen, "/completion", &[], &long)
+            .await
+            .expect("the long answer begins");
+    let mut body = response.into_body();
+    // Its first tokens have come: the server is generating it now.
+    let first = http_body_util::BodyExt::frame(&mut body).await;
+    assert!(first.is_some_and(|f| f.is_ok()), "a first frame");
     llama.crash();
-    let _ = cut.await;
+    while let Some(Ok(_)) = http_body_util::BodyExt::frame(&mut body).await {}
     guard
         .wait_for_metric(
             "guard_jobs_total{class=\"interactive\",result=\"invalid\"}",

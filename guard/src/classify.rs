@@ -89,15 +89,8 @@ struct Rule {
     unit: Option<String>,
     exe: Option<GlobMatcher>,
     header: Option<(HeaderName, String)>,
-}
-
-impl Rule {
-    fn needs_peer(&self) -> bool {
-        self.cgroup_prefix.is_some()
-            || self.uid.is_some()
-            || self.unit.is_some()
-            || self.exe.is_some()
-    }
+    /// It has a matcher on the client's process (looked up only then).
+    reads_process: bool,
 }
 
 impl Classifier {
@@ -127,6 +120,7 @@ impl Classifier {
                 uid: rule.resolved.uid,
                 unit: rule.unit.clone(),
                 exe: glob(&rule.exe),
+                reads_process: rule.reads_process(),
                 header: rule.header.as_ref().and_then(|h| {
                     Some((HeaderName::try_from(h.name.as_str()).ok()?, h.value.clone()))
                 }),
@@ -236,11 +230,6 @@ impl Classifier {
             DecidedBy::Rule(n) => self.rules.get(n - 1).map_or("rule", |r| r.label.as_str()),
         }
     }
-
-    /// Whether any rule reads the client's process.
-    pub fn needs_peer(&self) -> bool {
-        self.rules.iter().any(Rule::needs_peer)
-    }
 }
 
 impl Rule {
@@ -283,7 +272,7 @@ impl Rule {
         {
             return false;
         }
-        if !self.needs_peer() {
+        if !self.reads_process {
             return true;
         }
         let peer = peer.get_or_insert_with(|| (facts.peer)());

@@ -4,10 +4,7 @@
 
 use caps::{CapSet, Capability, CapsHashSet};
 
-use crate::{
-    classify::Classifier,
-    config::{Config, FairBy},
-};
+use crate::config::{Config, FairBy};
 
 #[derive(Debug, thiserror::Error)]
 #[error("cannot drop capabilities ({set:?}): {source}")]
@@ -34,7 +31,6 @@ pub fn held() -> Vec<String> {
 /// That is needed to find the upstream by its listening port (`watch.upstream_pid = 0`), for
 /// `exe` rules, and, without eBPF, to find which process opened a connection.
 pub fn needed(config: &Config, ebpf_attached: bool) -> CapsHashSet {
-    let classifier = Classifier::new(config);
     let exe_rules = config.classify.rule.iter().any(|rule| rule.exe.is_some());
     let peer_flows = config.class.values().any(|class| {
         matches!(
@@ -44,7 +40,8 @@ pub fn needed(config: &Config, ebpf_attached: bool) -> CapsHashSet {
     });
     let proc_scan = config.watch.upstream_pid == 0
         || exe_rules
-        || (!ebpf_attached && (classifier.needs_peer() || peer_flows));
+        || (!ebpf_attached
+            && (config.classify.rule.iter().any(|r| r.reads_process()) || peer_flows));
     let mut needed = CapsHashSet::new();
     if proc_scan {
         needed.extend([Capability::CAP_SYS_PTRACE, Capability::CAP_DAC_READ_SEARCH]);

@@ -122,7 +122,7 @@ pub async fn send(
 
 /// Sends a POST on a fresh connection and returns its response head and body unread, with
 /// the connection (dropping it closes the socket).
-async fn open_post(
+pub async fn open_post(
     addr: SocketAddr,
     path: &str,
     headers: &[(&str, &str)],

@@ -457,6 +457,14 @@ impl RuleConfig {
             .clone()
             .unwrap_or_else(|| format!("rule {}", index + 1))
     }
+
+    /// Whether the rule looks at the client's process (cgroup, user, unit, executable).
+    pub fn reads_process(&self) -> bool {
+        self.cgroup_prefix.is_some()
+            || self.uid.is_some()
+            || self.unit.is_some()
+            || self.exe.is_some()
+    }
 }
 
 impl Default for Config {

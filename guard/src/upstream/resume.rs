@@ -9,6 +9,8 @@
 use bytes::Bytes;
 use serde_json::{Map, Value, json};
 
+use super::usage::Report;
+
 /// The generation endpoints guard knows how to continue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Endpoint {
@@ -221,10 +223,9 @@ impl Transcript {
     }
 
     /// Reads one event's payload (the JSON of an SSE `data:` line or an NDJSON line).
-    pub fn read(&mut self, endpoint: Endpoint, payload: &[u8]) -> Option<Event> {
-        let event: Value = serde_json::from_slice(payload).ok()?;
-        let said = Said::of(endpoint, &event);
-        let mut text = said.text.unwrap_or_default();
+    pub fn read(&mut self, payload: &[u8]) -> Option<Event> {
+        let said = Report::parse(payload)?;
+        let mut text = said.text().unwrap_or_default().to_owned();
         let mut echoed = false;
         if !self.echo.is_empty() && !text.is_empty() {
             let (rest, dropped) = drop_echo(&mut self.echo, &text);
@@ -237,15 +238,16 @@ impl Transcript {
                 self.segment += 1;
             }
         }
-        if let Some(count) = said.generated {
+        let counts = said.usage(false);
+        if let Some(count) = counts.generated {
             self.segment = count;
             self.counted = true;
         }
         self.generated = self.earlier + self.segment;
-        if said.prompt.is_some() {
-            self.prompt_tokens = said.prompt;
+        if counts.prompt.is_some() {
+            self.prompt_tokens = counts.prompt;
         }
-        if let Some(reason) = said.finish {
+        if let Some(reason) = said.finish() {
             self.finish_reason = Some(reason);
             self.ended = true;
         }
@@ -268,47 +270,6 @@ fn drop_echo(echo: &mut String, text: &str) -> (String, usize) {
     }
     echo.drain(..common);
     (text[common..].to_owned(), common)
-}
-
-/// What one event says, per endpoint.
-#[derive(Debug, Default)]
-struct Said {
-    text: Option<String>,
-    generated: Option<u64>,
-    prompt: Option<u64>,
-    finish: Option<String>,
-}
-
-impl Said {
-    fn of(endpoint: Endpoint, event: &Value) -> Self {
-        let str_at = |pointer: &str| event.pointer(pointer)?.as_str().map(str::to_owned);
-        let u64_at = |pointer: &str| event.pointer(pointer)?.as_u64();
-        match endpoint {
-            Endpoint::OpenAiChat | Endpoint::OpenAiCompletion => Self {
-                text: str_at("/choices/0/delta/content")
-                    .or_else(|| str_at("/choices/0/text"))
-                    .or_else(|| str_at("/choices/0/message/content")),
-                generated: u64_at("/timings/predicted_n")
-                    .or_else(|| u64_at("/usage/completion_tokens")),
-                prompt: u64_at("/usage/prompt_tokens"),
-                finish: str_at("/choices/0/finish_reason"),
-            },
-            Endpoint::LlamaCompletion => Self {
-                text: str_at("/content"),
-                generated: u64_at("/tokens_predicted").or_else(|| u64_at("/timings/predicted_n")),
-                prompt: u64_at("/tokens_evaluated"),
-                finish: (event.get("stop") == Some(&Value::Bool(true)))
-                    .then(|| str_at("/stop_type").unwrap_or_else(|| "stop".to_owned())),
-            },
-            Endpoint::OllamaChat | Endpoint::OllamaGenerate => Self {
-                text: str_at("/message/content").or_else(|| str_at("/response")),
-                generated: u64_at("/eval_count"),
-                prompt: u64_at("/prompt_eval_count"),
-                finish: (event.get("done") == Some(&Value::Bool(true)))
-                    .then(|| str_at("/done_reason").unwrap_or_else(|| "stop".to_owned())),
-            },
-        }
-    }
 }
 
 /// Whether an answer's text is one JSON value (what `expect = "json"` asks of a valid job).
@@ -456,18 +417,15 @@ mod tests {
         let mut transcript = Transcript::default();
         let e = Endpoint::OpenAiChat;
         let delta = |t: &str| format!(r#"{{"choices":[{{"delta":{{"content":"{t}"}}}}]}}"#);
-        transcript.read(e, delta("1, 2,").as_bytes());
-        transcript.read(
-            e,
-            br#"{"choices":[{"delta":{}}],"timings":{"predicted_n":3}}"#,
-        );
+        transcript.read(delta("1, 2,").as_bytes());
+        transcript.read(br#"{"choices":[{"delta":{}}],"timings":{"predicted_n":3}}"#);
         assert_eq!(
             (transcript.text.as_str(), transcript.generated),
             ("1, 2,", 3)
         );
         transcript.continue_after(true);
         // llama-server repeats the prefill, merged with the first new token, split or not.
-        let first = transcript.read(e, delta("1, ").as_bytes()).expect("event");
+        let first = transcript.read(delta("1, ").as_bytes()).expect("event");
         assert_eq!(
             first,
             Event {
@@ -475,7 +433,7 @@ mod tests {
                 echoed: true
             }
         );
-        let second = transcript.read(e, delta("2, 3").as_bytes()).expect("event");
+        let second = transcript.read(delta("2, 3").as_bytes()).expect("event");
         assert_eq!(
             second,
             Event {
@@ -484,7 +442,6 @@ mod tests {
             }
         );
         transcript.read(
-            e,
             br#"{"choices":[{"delta":{},"finish_reason":"stop"}],"timings":{"predicted_n":2}}"#,
         );
         assert_eq!(transcript.text, "1, 2, 3");

@@ -1,6 +1,8 @@
-//! The tokens an answer says it took, per API, from its last event or its whole body: OpenAI
-//! `usage`, llama-server `timings` and `/completion` counts, Ollama's final counts. And
-//! whether the answer ended with the server's own end marker.
+//! What one event of a stream, or a whole answer, says, in every API's spelling: its text
+//! (OpenAI `choices[0].delta.content`/`text`/`message.content`, llama-server `content`,
+//! Ollama `message.content`/`response`), its end (a finish reason, `stop`, `done`) and its
+//! tokens (OpenAI `usage`, llama-server `timings` and `/completion` counts, Ollama's counts).
+//! The proxy's counts and the preemption transcript both read events here.
 
 use serde::Deserialize;
 
@@ -17,21 +19,34 @@ pub struct Usage {
     pub ended: bool,
 }
 
-/// The fields of a last event or a whole answer that carry counts, in every API's spelling.
+/// One event or a whole answer, as far as guard reads it.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
-struct Report {
+pub struct Report {
     usage: Option<OpenAiUsage>,
     timings: Option<Timings>,
     choices: Vec<Choice>,
+    /// llama-server `/completion`.
+    content: Option<String>,
     tokens_evaluated: Option<u64>,
     tokens_predicted: Option<u64>,
     stop: Option<bool>,
+    stop_type: Option<String>,
+    /// Ollama: `message` for chat, `response` for generate.
+    message: Option<Text>,
+    response: Option<String>,
     prompt_eval_count: Option<u64>,
     eval_count: Option<u64>,
     /// Nanoseconds.
     eval_duration: Option<u64>,
     done: Option<bool>,
+    done_reason: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct Text {
+    content: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -53,10 +68,50 @@ struct Timings {
 #[serde(default)]
 struct Choice {
     finish_reason: Option<String>,
+    /// A stream's event.
+    delta: Option<Text>,
+    /// A completion's text.
+    text: Option<String>,
+    /// A whole chat answer.
+    message: Option<Text>,
 }
 
 impl Report {
-    fn usage(&self, ended: bool) -> Usage {
+    pub fn parse(bytes: &[u8]) -> Option<Self> {
+        serde_json::from_slice(bytes).ok()
+    }
+
+    /// The text this event or answer carries.
+    pub fn text(&self) -> Option<&str> {
+        fn content(text: &Option<Text>) -> Option<&str> {
+            text.as_ref()?.content.as_deref()
+        }
+        self.choices
+            .first()
+            .and_then(|c| {
+                content(&c.delta)
+                    .or(c.text.as_deref())
+                    .or(content(&c.message))
+            })
+            .or(self.content.as_deref())
+            .or(content(&self.message))
+            .or(self.response.as_deref())
+    }
+
+    /// Why the answer ended, where this event says it did.
+    pub fn finish(&self) -> Option<String> {
+        let stopped = |flag: Option<bool>, reason: &Option<String>| {
+            (flag == Some(true)).then(|| reason.clone().unwrap_or_else(|| "stop".to_owned()))
+        };
+        self.choices
+            .first()
+            .and_then(|c| c.finish_reason.clone())
+            .or_else(|| stopped(self.stop, &self.stop_type))
+            .or_else(|| stopped(self.done, &self.done_reason))
+    }
+
+    /// Its counts; `ended` where the end was seen elsewhere (`[DONE]`, a whole document).
+    pub fn usage(&self, ended: bool) -> Usage {
         let timings = self.timings.as_ref();
         let usage = self.usage.as_ref();
         let ollama_rate = match (self.eval_count, self.eval_duration) {
@@ -75,17 +130,14 @@ impl Report {
                 .or(self.tokens_predicted)
                 .or(self.eval_count),
             decode_per_second: timings.and_then(|t| t.predicted_per_second).or(ollama_rate),
-            ended: ended
-                || self.done == Some(true)
-                || self.stop == Some(true)
-                || self.choices.iter().any(|c| c.finish_reason.is_some()),
+            ended: ended || self.finish().is_some(),
         }
     }
 }
 
 /// What the end of an answer (`tail`: its last bytes, or the whole of a single document) says.
 pub fn read(format: StreamFormat, tail: &[u8]) -> Usage {
-    let parse = |bytes: &[u8]| serde_json::from_slice::<Report>(bytes).ok();
+    let parse = Report::parse;
     match format {
         StreamFormat::Whole => parse(tail).map_or_else(Usage::default, |r| r.usage(true)),
         StreamFormat::Ndjson | StreamFormat::Sse => {

@@ -2,7 +2,7 @@
 //! admit it, wait for its turn, forward it, relay the answer. Each returns the ending that
 //! stops the request, if it does.
 
-use std::hash::BuildHasher as _;
+use std::{hash::BuildHasher as _, sync::Arc};
 
 use bytes::Bytes;
 use http::{Request, request};
@@ -13,6 +13,7 @@ use super::{Ending, QueuedRequest, preempt::Tracked};
 use crate::{
     classify::RequestFacts,
     config::{FairBy, Preemptible},
+    proxy::Proxy,
     proxy::{
         budget::Held,
         error::ProxyError,
@@ -20,7 +21,10 @@ use crate::{
     },
     queue::{Job, RejectReason, Ticket},
     quote::quote,
-    reap::peer::peer_of,
+    reap::{
+        peer::{Peer, peer_of},
+        registry::Connection,
+    },
     upstream::{
         asks::Asks,
         exchange::Exchange,
@@ -60,6 +64,12 @@ async fn collect(
         bytes.extend_from_slice(&data);
     }
     Ok(bytes)
+}
+
+/// The client's process, looked up once per connection (the eBPF record, else /proc).
+fn client_process(proxy: &Proxy, connection: &Connection) -> Option<Arc<Peer>> {
+    let tracker = proxy.tracker.as_deref();
+    connection.process(|| peer_of(tracker, connection.peer, proxy.listen))
 }
 
 fn too_large(limit: u64) -> Ending {
@@ -117,9 +127,8 @@ impl QueuedRequest {
         let Some(by) = self.settings.fair_by.get(class) else {
             return 0;
         };
-        let (listen, client) = (self.proxy.listen, self.connection.peer);
-        let tracker = self.proxy.tracker.as_deref();
-        let peer = || self.connection.process(|| peer_of(tracker, client, listen));
+        let peer = || client_process(&self.proxy, &self.connection);
+        let client = self.connection.peer;
         let key = match by {
             FairBy::Uid => peer().and_then(|p| p.uid).map(|uid| uid.to_string()),
             FairBy::Unit => peer()
@@ -236,16 +245,14 @@ impl QueuedRequest {
         model: Option<&str>,
         last: bool,
     ) -> Result<String, ProxyError> {
-        let (listen, client) = (self.proxy.listen, self.connection.peer);
-        let tracker = self.proxy.tracker.as_deref();
-        let connection = &self.connection;
-        let peer = || connection.process(|| peer_of(tracker, client, listen));
+        let (proxy, connection) = (&*self.proxy, &*self.connection);
+        let peer = || client_process(proxy, connection);
         let classifier = &self.settings.classifier;
         let decision = classifier.classify(&RequestFacts {
             path: head.uri.path(),
             headers: &head.headers,
             model,
-            source: client.ip(),
+            source: connection.peer.ip(),
             peer: &peer,
         })?;
         tracing::trace!(class = decision.class, by = %decision.by, "classified");

@@ -64,7 +64,7 @@ impl Tracked {
                 out.push(b'\n');
                 return;
             };
-            let event = transcript.read(endpoint, payload);
+            let event = transcript.read(payload);
             texts += u64::from(event.as_ref().is_some_and(|e| !e.text.is_empty()));
             match event.filter(|e| e.echoed) {
                 Some(event) => {

@@ -19,7 +19,7 @@ use crate::{
         api::{self, ollama},
         exchange::Exchange,
         frames::{self, Lines, StreamFormat},
-        resume::{self, Endpoint, Transcript},
+        resume::{self, Transcript},
         strip_hop_by_hop, usage,
     },
 };
@@ -62,22 +62,18 @@ pub(super) struct Relay {
 }
 
 /// An answer's text, read event by event as it passes.
+#[derive(Default)]
 struct AnswerText {
-    endpoint: Endpoint,
     transcript: Transcript,
     lines: Lines,
 }
 
 impl AnswerText {
     fn push(&mut self, format: StreamFormat, data: &[u8]) {
-        let Self {
-            endpoint,
-            transcript,
-            lines,
-        } = self;
+        let Self { transcript, lines } = self;
         lines.push(data, |line| {
             if let Some(payload) = format.payload(line) {
-                transcript.read(*endpoint, payload);
+                transcript.read(payload);
             }
         });
     }
@@ -112,14 +108,8 @@ impl QueuedRequest {
             sent_data: false,
             tail: Vec::new(),
             success: head_success,
-            text: self
-                .endpoint
-                .filter(|_| self.expects_json())
-                .map(|endpoint| AnswerText {
-                    endpoint,
-                    transcript: Transcript::default(),
-                    lines: Lines::default(),
-                }),
+            // Read where the class expects JSON, on an endpoint whose answers guard knows.
+            text: (self.endpoint.is_some() && self.expects_json()).then(AnswerText::default),
         };
         // One interrupt future for the whole answer: frames are token-sized and many.
         let watch = self.watch();
@@ -150,7 +140,7 @@ impl QueuedRequest {
             self.usage = Some(usage);
             if let Some(text) = &mut relay.text {
                 if relay.format == StreamFormat::Whole {
-                    text.transcript.read(text.endpoint, &relay.tail);
+                    text.transcript.read(&relay.tail);
                 }
                 self.answer_is_json = Some(resume::is_json(&text.transcript.text));
             }
