@@ -25,10 +25,7 @@ struct Target {
     class: String,
     cgroup: Cgroup,
     record: Record,
-    /// Since when the cgroup is held back, if it is.
-    held_since: Option<Instant>,
-    /// When it was last let go: it runs at least `min_release` from then.
-    released_at: Option<Instant>,
+    hold: Hold,
     /// A restore that failed is tried again from then on, not at once (no busy loop).
     retry_at: Option<Instant>,
 }
@@ -73,6 +70,50 @@ impl Limits {
     }
 }
 
+/// One hold's timeline, under the limits every hold obeys (a class's cgroup, and the hold on
+/// dispatching lower classes): since when it is held, when it was last let go.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Hold {
+    since: Option<Instant>,
+    released: Option<Instant>,
+}
+
+impl Hold {
+    pub fn is_held(&self) -> bool {
+        self.since.is_some()
+    }
+
+    pub fn since(&self) -> Option<Instant> {
+        self.since
+    }
+
+    /// Not held, and rested `min_release` since the last release.
+    pub fn may_take(&self, now: Instant, limits: Limits) -> bool {
+        !self.is_held()
+            && self
+                .released
+                .is_none_or(|at| now.saturating_duration_since(at) >= limits.min_release)
+    }
+
+    pub fn take(&mut self, now: Instant) {
+        self.since = Some(now);
+    }
+
+    /// Held for `max_throttle` or longer.
+    pub fn overdue(&self, now: Instant, limits: Limits) -> bool {
+        self.since
+            .is_some_and(|since| now.saturating_duration_since(since) >= limits.max_throttle)
+    }
+
+    /// Lets go; returns how long it was held.
+    pub fn release(&mut self, now: Instant) -> Duration {
+        self.released = Some(now);
+        self.since
+            .take()
+            .map_or(Duration::ZERO, |since| now.saturating_duration_since(since))
+    }
+}
+
 /// Every class with a cgroup and a throttle mode.
 pub struct Throttler {
     targets: Vec<Target>,
@@ -98,8 +139,7 @@ impl Throttler {
                 class: name.clone(),
                 cgroup,
                 record,
-                held_since: None,
-                released_at: None,
+                hold: Hold::default(),
                 retry_at: None,
             });
         }
@@ -122,7 +162,7 @@ impl Throttler {
     pub fn throttled(&self) -> Vec<String> {
         self.targets
             .iter()
-            .filter(|t| t.held_since.is_some())
+            .filter(|t| t.hold.is_held())
             .map(|t| t.class.clone())
             .collect()
     }
@@ -130,21 +170,18 @@ impl Throttler {
     /// Holds back every class whose priority is above `protect_priority`, except one let go
     /// less than `min_release` ago.
     pub fn throttle(&mut self, config: &Config, now: Instant) {
-        let min_release = Limits::of(config).min_release;
+        let limits = Limits::of(config);
         for target in &mut self.targets {
             let protected = config
                 .class
                 .get(&target.class)
                 .is_none_or(|c| c.priority <= config.risk.protect_priority);
-            let resting = target
-                .released_at
-                .is_some_and(|at| now.duration_since(at) < min_release);
-            if protected || resting || target.held_since.is_some() {
+            if protected || !target.hold.may_take(now, limits) {
                 continue;
             }
             match throttle_one(target) {
                 Ok(()) => {
-                    target.held_since = Some(now);
+                    target.hold.take(now);
                     changed(&self.metrics, &target.class, "hold", Reason::AtRisk);
                     tracing::info!(class = target.class, cgroup = %target.cgroup.path.display(), reason = Reason::AtRisk.as_str(), "throttled");
                 }
@@ -155,9 +192,7 @@ impl Throttler {
 
     /// Lets go every hold that has lasted `max_throttle`.
     pub fn release_overdue(&mut self, limits: Limits, now: Instant) {
-        self.release(Reason::MaxThrottle, now, |since| {
-            now.duration_since(since) >= limits.max_throttle
-        });
+        self.release(Reason::MaxThrottle, now, |hold| hold.overdue(now, limits));
     }
 
     /// When the next hold reaches `max_throttle` (or its failed restore is tried again).
@@ -165,7 +200,7 @@ impl Throttler {
         self.targets
             .iter()
             .filter_map(|t| {
-                let due = t.held_since? + limits.max_throttle;
+                let due = t.hold.since()? + limits.max_throttle;
                 Some(t.retry_at.map_or(due, |retry| retry.max(due)))
             })
             .min()
@@ -173,22 +208,18 @@ impl Throttler {
 
     /// Puts every throttled cgroup back as it was.
     pub fn restore(&mut self, reason: Reason) {
-        self.release(reason, Instant::now(), |_| true);
+        self.release(reason, Instant::now(), Hold::is_held);
     }
 
-    fn release(&mut self, reason: Reason, now: Instant, due: impl Fn(Instant) -> bool) {
+    fn release(&mut self, reason: Reason, now: Instant, due: impl Fn(&Hold) -> bool) {
         for target in &mut self.targets {
             let waiting = target.retry_at.is_some_and(|at| at > now);
-            if waiting || !target.held_since.is_some_and(&due) {
+            if waiting || !due(&target.hold) {
                 continue;
             }
             match restore_one(target) {
                 Ok(()) => {
-                    let held_ms = target.held_since.map_or(0, |since| {
-                        now.saturating_duration_since(since).as_millis() as u64
-                    });
-                    target.held_since = None;
-                    target.released_at = Some(now);
+                    let held_ms = target.hold.release(now).as_millis() as u64;
                     target.retry_at = None;
                     changed(&self.metrics, &target.class, "release", reason);
                     tracing::info!(class = target.class, cgroup = %target.cgroup.path.display(), reason = reason.as_str(), held_ms, "restored");
@@ -247,4 +278,31 @@ fn restore_one(target: &mut Target) -> Result<(), StateError> {
         ))?;
     }
     target.record.clear()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hold_lasts_at_most_max_throttle_then_rests_min_release() {
+        let limits = Limits {
+            max_throttle: Duration::from_secs(60),
+            min_release: Duration::from_secs(5),
+        };
+        let t0 = Instant::now();
+        let mut hold = Hold::default();
+        assert!(hold.may_take(t0, limits));
+        hold.take(t0);
+        assert!(!hold.may_take(t0, limits), "held already");
+        assert!(!hold.overdue(t0 + Duration::from_secs(59), limits));
+        assert!(hold.overdue(t0 + limits.max_throttle, limits));
+        let released = t0 + limits.max_throttle;
+        assert_eq!(hold.release(released), limits.max_throttle);
+        assert!(
+            !hold.may_take(released + Duration::from_secs(4), limits),
+            "resting"
+        );
+        assert!(hold.may_take(released + limits.min_release, limits));
+    }
 }

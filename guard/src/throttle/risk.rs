@@ -11,7 +11,7 @@ use std::{
 
 use tokio::time::Instant;
 
-use super::{Limits, Reason, Throttler, ttft::TtftWindow};
+use super::{Hold, Limits, Reason, Throttler, ttft::TtftWindow};
 use crate::{config::Config, metrics::Metrics, queue::Scheduler, watch::Watched};
 
 /// A signal may clear only below this share of its threshold.
@@ -298,25 +298,21 @@ pub async fn run(mut configs: tokio::sync::watch::Receiver<Config>, detector: De
 /// The hold on dispatching lower classes, bounded like a cgroup hold: at most
 /// `risk.max_throttle_ms` in one go, then free for at least `risk.min_release_ms`.
 #[derive(Debug, Default)]
-struct DispatchHold {
-    since: Option<Instant>,
-    released: Option<Instant>,
-}
+struct DispatchHold(Hold);
 
 impl DispatchHold {
     fn hold(&mut self, scheduler: &Scheduler, config: &Config, now: Instant) {
-        let min_release = Duration::from_millis(config.risk.min_release_ms);
-        if self.since.is_some() || self.released.is_some_and(|at| now - at < min_release) {
-            return;
+        let now = now.into_std();
+        if self.0.may_take(now, Limits::of(config)) {
+            scheduler.hold_above(Some(config.risk.protect_priority));
+            self.0.take(now);
         }
-        scheduler.hold_above(Some(config.risk.protect_priority));
-        self.since = Some(now);
     }
 
     fn release(&mut self, scheduler: &Scheduler, now: Instant, reason: Reason) {
-        if self.since.take().is_some() {
+        if self.0.is_held() {
+            self.0.release(now.into_std());
             scheduler.hold_above(None);
-            self.released = Some(now);
             tracing::info!(
                 reason = reason.as_str(),
                 "dispatch of lower classes resumes"
@@ -326,8 +322,7 @@ impl DispatchHold {
 
     /// Lets go of a hold that reached max_throttle_ms; takes it again once rested.
     fn bound(&mut self, scheduler: &Scheduler, config: &Config, now: Instant) {
-        let max = Duration::from_millis(config.risk.max_throttle_ms);
-        if self.since.is_some_and(|since| now - since >= max) {
+        if self.0.overdue(now.into_std(), Limits::of(config)) {
             self.release(scheduler, now, Reason::MaxThrottle);
         }
         self.hold(scheduler, config, now);
