@@ -170,8 +170,12 @@ async fn made_up_model_names_never_become_labels() {
     let ollama = OllamaEmulator::start(&["--tokens", "2"]);
     let config = "[upstream]\nrefuse_remote_models = true\n[watch]\ninterval_ms = 200\n";
     let guard = GuardProcess::start(ollama.addr, "ollama", config);
+    // The upstream's own model has its series once the watcher has asked about it.
     until("the upstream's models are known", async || {
+        let text = guard.metrics_text().await;
         guard.metric("guard_upstream_up").await == 1.0
+            && text.contains("guard_model_remote{model=\"smollm2:135m\"}")
+            && text.contains("guard_model_cold_loads_total{model=\"smollm2:135m\"}")
     })
     .await;
     let refuse = async |n: usize| {

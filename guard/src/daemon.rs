@@ -39,6 +39,8 @@ pub enum DaemonError {
     #[error("cannot install a signal handler: {0}")]
     Signal(std::io::Error),
     #[error(transparent)]
+    Workers(#[from] proxy::WorkersError),
+    #[error(transparent)]
     Throttle(#[from] ThrottleSetupError),
 }
 
@@ -189,11 +191,13 @@ pub async fn run(
     ));
     let (stop, stopped) = watch::channel(false);
     let grace = Duration::from_millis(config.server.drain_grace_ms);
+    let workers = proxy::Workers::per_cpu()?;
     let proxy_task = tokio::spawn(proxy::serve(
         proxy_listener,
         Arc::clone(&proxy),
         stopped,
         grace,
+        workers,
     ));
     tracing::info!(
         listen = %config.server.listen,

@@ -54,8 +54,20 @@ impl QueuedPaths {
 
     /// Whether a request for `raw` (its path as sent) is generation work.
     pub fn contains(&self, raw: &str) -> Result<bool, PathError> {
+        if is_normal(raw) {
+            return Ok(self.0.contains(raw));
+        }
         Ok(self.0.contains(&normalize(raw)?))
     }
+}
+
+/// Whether `raw` is already what `normalize` would make of it (no escape, no empty or dot
+/// segment, no trailing `/`): the common case, read without allocating.
+fn is_normal(raw: &str) -> bool {
+    raw == "/"
+        || raw.strip_prefix('/').is_some_and(|rest| {
+            !raw.contains('%') && rest.split('/').all(|s| !matches!(s, "" | "." | ".."))
+        })
 }
 
 /// The path a router sees: percent-decoded, dot segments and empty segments removed, with a
@@ -99,6 +111,32 @@ fn decode(raw: &str) -> Result<String, PathError> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_path_read_as_normal_is_what_normalize_makes_of_it() {
+        for raw in [
+            "/",
+            "/api/chat",
+            "/api/chat/",
+            "//api",
+            "/api/./chat",
+            "/api/../x",
+            "/a%2Fb",
+            "api/chat",
+            "",
+            "/v1/chat/completions",
+            "/a/b/c",
+            "/.",
+            "/..",
+            "/a.b/c..d",
+        ] {
+            if is_normal(raw) {
+                assert_eq!(normalize(raw).as_deref(), Ok(raw), "{raw}");
+            }
+        }
+        assert!(is_normal("/api/chat") && is_normal("/a.b/c..d"));
+        assert!(!is_normal("/api/chat/") && !is_normal("/api//chat") && !is_normal("/a%2Fb"));
+    }
+
     use super::*;
 
     fn queued(raw: &str) -> bool {

@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 
 pub mod counting;
 pub mod http;
+pub mod peers;
 pub mod servers;
 pub mod workload;
 

@@ -268,7 +268,12 @@ impl GuardProcess {
         } = launch;
         let unprivileged = *unprivileged;
         let dir = TempDir::new(&format!("guard-e2e-{}", free_addr().port()));
-        let (listen, metrics) = (free_addr(), free_addr());
+        let listen = free_addr();
+        // Two ports asked for one after the other may be the same one, freed and handed out
+        // again: ask until they differ.
+        let metrics = std::iter::repeat_with(free_addr)
+            .find(|addr| *addr != listen)
+            .expect("a second free port");
         // The test's own settings, with the addresses this harness chose merged in.
         let mut config: toml::Table = extra.parse().expect("the test's config is TOML");
         let mut set = |table: &str, key: &str, value: String| {

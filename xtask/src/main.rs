@@ -47,6 +47,9 @@ enum Task {
     Bench {
         #[arg(value_enum)]
         which: tasks::Bench,
+        /// Parts of the benchmark to run (all when none), e.g. `bench proxy table flame`.
+        #[arg(trailing_var_arg = true)]
+        parts: Vec<String>,
     },
 }
 
@@ -57,8 +60,9 @@ fn main() -> Result<()> {
         Task::Demo => tasks::demo(),
         Task::Bench {
             which: tasks::Bench::Fuzz,
+            ..
         } => fuzz::bench(),
-        Task::Bench { which } => tasks::bench(which),
+        Task::Bench { which, parts } => tasks::bench(which, &parts),
         Task::Install { root } => install::install(root.as_deref()),
         Task::GpuCheck => tasks::gpu_check(),
         Task::Modules => modules::check(),

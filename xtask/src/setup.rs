@@ -23,6 +23,13 @@ const APT_PACKAGES: &[(&str, Option<&str>)] = &[
     // taskset (util-linux) bound and pin guard.
     ("curl", None),
     ("util-linux", None),
+    // The peers guard is measured against and the balancer it feeds (`bench proxy`, the
+    // cluster tests), and the load generator.
+    ("nginx", None),
+    ("haproxy", None),
+    ("wrk", None),
+    // `bench proxy flame`: where guard's time goes.
+    ("linux-perf", None),
 ];
 
 /// Python clients the end-to-end tests drive guard with.

@@ -11,8 +11,13 @@ use crate::setup::{self, Installed, run};
 pub enum Bench {
     /// eBPF close-event delivery latency, sustained rate and CPU per event.
     Ebpf,
-    /// Added latency, relay throughput, full-class answer time, TTFT under a batch flood.
+    /// One table beside nginx, HAProxy and direct: added latency, req/s and p99 at 1 to 256
+    /// clients, NDJSON frame relay, 1 GiB up and down; full-class answer time; TTFT under a
+    /// batch flood.
     Proxy,
+    /// Enqueue + dispatch cost and bytes per waiter from 10 to 100,000 waiting; RSS of 10,000
+    /// idle keep-alive connections and of 10,000 waiting requests.
+    Scale,
     /// Reap latency with eBPF and from user space; tokens not generated for departed clients.
     Reap,
     /// guard's RSS idle and under load, CPU per 1,000 requests, watcher CPU.
@@ -34,6 +39,7 @@ impl Bench {
         match self {
             Self::Ebpf => "ebpf",
             Self::Proxy => "proxy",
+            Self::Scale => "scale",
             Self::Reap => "reap",
             Self::Footprint => "footprint",
             Self::Protect => "protect",
@@ -92,13 +98,21 @@ pub fn gpu_check() -> Result<()> {
     crate::gpu::check(&release_guard())
 }
 
-pub fn bench(which: Bench) -> Result<()> {
+pub fn bench(which: Bench, parts: &[String]) -> Result<()> {
     require_root("the benchmarks load eBPF programs")?;
     let installed = setup::all()?;
     run(cargo().args(["build", "--release", "-p", "guard"])).context("the build failed")?;
     let mut bench = cargo();
     bench
-        .args(["bench", "-p", "guard-tests", "--bench", which.target()])
+        .args([
+            "bench",
+            "-p",
+            "guard-tests",
+            "--bench",
+            which.target(),
+            "--",
+        ])
+        .args(parts)
         .env("GUARD_BIN", release_guard());
     export(&mut bench, &installed);
     run(&mut bench)

@@ -10,6 +10,7 @@ mod passthrough;
 mod request;
 mod serve;
 mod throughput;
+mod workers;
 
 use std::{
     collections::BTreeMap,
@@ -24,6 +25,7 @@ use hyper::body::Incoming;
 pub use error::{ErrorShape, ProxyError};
 pub use serve::{serve, serve_connection, stop_requested};
 pub use throughput::{Hourly, Throughput};
+pub use workers::{Workers, WorkersError};
 
 use crate::{
     classify::{Classifier, Tally},
@@ -74,6 +76,10 @@ impl Settings {
 /// What every connection handler shares.
 pub struct Proxy {
     upstream: Client,
+    /// A pool for pass-through requests per serving thread: a pooled connection is served by
+    /// the thread that made it, and one thread's request on another's connection would cross
+    /// threads at every step.
+    passthrough: Box<[Client]>,
     connector: Arc<Connector>,
     response_timeout: Duration,
     metrics: Metrics,
@@ -133,7 +139,10 @@ impl Proxy {
         parts.tally.prepare(&settings.classifier);
         Ok(Self {
             upstream: Client::new(&config.upstream),
-            connector: Connector::new(dial),
+            passthrough: (0..workers::per_cpu_count())
+                .map(|_| Client::new(&config.upstream))
+                .collect(),
+            connector: Connector::new(dial, config.upstream.max_concurrency as usize),
             response_timeout: Duration::from_millis(config.upstream.response_timeout_ms),
             scheduler: parts.scheduler,
             connections: parts.connections,
@@ -163,6 +172,8 @@ impl Proxy {
             outcome::init_class(&self.metrics, class);
         }
         self.scheduler.reconfigure(config);
+        self.connector
+            .set_idle_max(config.upstream.max_concurrency as usize);
         self.budget.set_cap(config.server.max_body_bytes_in_flight);
         self.remote_models.set_named_models(config);
         self.connections
@@ -182,6 +193,13 @@ impl Proxy {
                 .read()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         )
+    }
+
+    /// The pass-through pool of the serving thread this runs on (the shared one elsewhere).
+    fn passthrough_client(&self) -> &Client {
+        workers::current()
+            .and_then(|index| self.passthrough.get(index))
+            .unwrap_or(&self.upstream)
     }
 
     fn half_close_means_gone(&self) -> bool {
@@ -215,7 +233,9 @@ impl Proxy {
         if queued {
             return request::handle(Arc::clone(self), settings, request, connection).await;
         }
-        passthrough::handle(self, &settings, request, shape).await
+        // Boxed: hyper keeps room for this future in every connection, idle or not, and the
+        // pass-through client's state is most of it.
+        Box::pin(passthrough::handle(self, &settings, request, shape)).await
     }
 
     /// Refused before anything else: 400, and the connection closes after it (a body, if

@@ -92,10 +92,13 @@ async fn relay(proxy: &Proxy, request: Request<Incoming>, shape: ErrorShape) -> 
     // A request without a body (GET /api/tags, /v1/models) can be sent again safely.
     let sent = if request.body().is_end_stream() {
         let (head, _) = request.into_parts();
-        proxy.upstream.send_buffered(&head, Bytes::new()).await
+        proxy
+            .passthrough_client()
+            .send_buffered(&head, Bytes::new())
+            .await
     } else {
         let request = request.map(|body| body.map_err(Into::into).boxed());
-        proxy.upstream.send(request).await
+        proxy.passthrough_client().send(request).await
     };
     match sent {
         Ok(response) => response.map(|body| body.map_err(Into::into).boxed()),

@@ -6,7 +6,7 @@ use std::{convert::Infallible, net::SocketAddr, sync::Arc, time::Duration};
 use hyper::{server::conn::http1, service::service_fn};
 use hyper_util::{
     rt::{TokioIo, TokioTimer},
-    server::graceful::GracefulShutdown,
+    server::graceful::{GracefulShutdown, Watcher},
 };
 use tokio::{
     io::{AsyncRead, AsyncWrite},
@@ -14,7 +14,7 @@ use tokio::{
     sync::watch,
 };
 
-use super::{ErrorShape, Proxy, ProxyError, linger::Lingering};
+use super::{ErrorShape, Proxy, ProxyError, linger::Lingering, workers::Workers};
 use crate::{
     config::Api,
     listen::{Accepted, Acceptor, Arrival},
@@ -26,12 +26,13 @@ const READ_BUFFER: usize = 32 << 10;
 
 /// Accepts connections until `shutdown` turns true, then waits for open connections to
 /// finish their current request, at most `grace`. More than `server.max_connections` at once
-/// are answered 503 and closed.
+/// are answered 503 and closed. Each connection is served on one of `workers`' threads.
 pub async fn serve(
     listener: TcpListener,
     proxy: Arc<Proxy>,
     mut shutdown: watch::Receiver<bool>,
     grace: Duration,
+    workers: Workers,
 ) {
     let graceful = GracefulShutdown::new();
     let refused = proxy
@@ -57,7 +58,9 @@ pub async fn serve(
         };
         proxy.metrics.connections.inc();
         let _ = stream.set_nodelay(true);
-        // Without the kernel's events, watch the socket from user space.
+        let metrics = proxy.metrics.clone();
+        // Without the kernel's events, watch the socket from user space. Duplicated here, at
+        // accept: out of descriptors, accept itself pauses (and logs once a second).
         let watched = match proxy.tracker {
             Some(_) => None,
             None => userspace::duplicate(&stream)
@@ -66,10 +69,21 @@ pub async fn serve(
                 )
                 .ok(),
         };
-        let serving = serve_connection(Arc::clone(&proxy), stream, peer, watched, Some(&graceful));
-        let metrics = proxy.metrics.clone();
-        tokio::spawn(async move {
-            serving.await;
+        // Handed over as plain sockets: the serving thread registers them with its own
+        // reactor, so that their readiness wakes that thread alone.
+        let stream = stream.into_std();
+        let serving = stream.map(|stream| Handover {
+            proxy: Arc::clone(&proxy),
+            stream,
+            watched,
+            peer,
+            graceful: graceful.watcher(),
+        });
+        workers.next().spawn(async move {
+            match serving {
+                Ok(serving) => serving.serve().await,
+                Err(err) => tracing::warn!(%peer, %err, "cannot hand the connection over"),
+            }
             drop(place);
             metrics.connections.dec();
         });
@@ -83,6 +97,40 @@ pub async fn serve(
             grace_ms = grace.as_millis(),
             "connections still open after the grace period"
         );
+    }
+    // Joining the threads blocks: not on this runtime's own threads.
+    let _ = tokio::task::spawn_blocking(move || drop(workers)).await;
+}
+
+/// An accepted connection on its way to a serving thread.
+struct Handover {
+    proxy: Arc<Proxy>,
+    stream: std::net::TcpStream,
+    watched: Option<std::net::TcpStream>,
+    peer: SocketAddr,
+    graceful: Watcher,
+}
+
+impl Handover {
+    /// Serves the connection on the current thread.
+    async fn serve(self) {
+        let Self {
+            proxy,
+            stream,
+            watched,
+            peer,
+            graceful,
+        } = self;
+        let registered = TcpStream::from_std(stream).and_then(|stream| {
+            let watched = watched.map(TcpStream::from_std).transpose()?;
+            Ok((stream, watched))
+        });
+        match registered {
+            Ok((stream, watched)) => {
+                serve_connection(proxy, stream, peer, watched, Some(graceful)).await;
+            }
+            Err(err) => tracing::warn!(%peer, %err, "cannot serve the connection"),
+        }
     }
 }
 
@@ -102,7 +150,7 @@ pub fn serve_connection<I>(
     io: I,
     peer: SocketAddr,
     watched: Option<TcpStream>,
-    graceful: Option<&GracefulShutdown>,
+    graceful: Option<Watcher>,
 ) -> impl Future<Output = ()> + Send + use<I>
 where
     I: AsyncRead + AsyncWrite + Send + Unpin + 'static,

@@ -59,6 +59,19 @@ impl Flows {
         start
     }
 
+    /// The work waiting ahead of a request of `tag`: each flow's queued work up to that tag
+    /// (a flow's requests hold contiguous tags from the present). Costs one step per flow, at
+    /// most `MAX_FLOWS`, however many wait.
+    pub fn work_before(&self, tag: u128) -> Duration {
+        let nanos: u128 = self
+            .flows
+            .values()
+            .filter(|f| f.waiting > 0)
+            .map(|f| f.finish.min(tag).saturating_sub(self.now))
+            .sum();
+        Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
+    }
+
     /// A paused request goes back first: its tag is the present.
     pub fn rejoin(&mut self, flow: u64) -> u128 {
         self.flows.entry(flow).or_default().waiting += 1;

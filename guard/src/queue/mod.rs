@@ -6,11 +6,12 @@
 
 pub mod estimator;
 mod fair;
+mod line;
 mod progress;
 mod ticket;
 
 use std::{
-    collections::{BTreeMap, HashMap, VecDeque},
+    collections::{BTreeMap, HashMap},
     sync::{Arc, Mutex, MutexGuard},
     time::Duration,
 };
@@ -88,6 +89,20 @@ struct Limits {
     deadline: Option<Duration>,
 }
 
+/// Up to this many jobs ahead, a start is predicted slot by slot.
+const EXACT_UP_TO: usize = 32;
+
+/// Which of its own class's waiters a predicted request waits behind.
+#[derive(Clone, Copy, Debug)]
+enum Ahead {
+    /// None: it would be first.
+    Head,
+    /// Those a request of this fair tag joining now would follow.
+    Tag(u128),
+    /// All of them: it would be last.
+    End,
+}
+
 /// What a waiter is told when its turn comes: the progress its relay will report.
 type Grant = Result<Arc<Progress>, RejectReason>;
 
@@ -108,7 +123,7 @@ struct Waiter {
 struct ClassState {
     limits: Limits,
     /// In fair order (tags ascending): first come, first served within a flow.
-    queue: VecDeque<Waiter>,
+    queue: line::Line,
     flows: fair::Flows,
     running: usize,
     /// Removed from the config by a reload: takes no new requests, drains what it has.
@@ -236,7 +251,7 @@ impl Scheduler {
                     self.metrics.publish_class(name, 0, 0);
                     let fresh = ClassState {
                         limits,
-                        queue: VecDeque::new(),
+                        queue: line::Line::default(),
                         flows: fair::Flows::default(),
                         running: 0,
                         retired: false,
@@ -261,25 +276,22 @@ impl Scheduler {
             job.tokens,
             job.prompt_tokens,
         );
-        let (flow, tag, position, queued, flow_waiting) = match state.classes.get(&name) {
+        let (flow, tag, queued, flow_waiting) = match state.classes.get(&name) {
             Some(class) => {
                 let flow = class.flows.flow_of(job.flow);
                 let tag = class.flows.peek(flow);
-                let position = class.queue.partition_point(|w| w.tag <= tag);
-                (
-                    flow,
-                    tag,
-                    position,
-                    class.queue.len(),
-                    class.flows.waiting(flow),
-                )
+                (flow, tag, class.queue.len(), class.flows.waiting(flow))
             }
-            None => (fair::SHARED, 0, 0, 0, 0),
+            None => (fair::SHARED, 0, 0, 0),
         };
-        let starts = state.predict_start(now, &name, position);
+        // One that starts now starts now: no need to weigh what runs.
+        let starts = match state.starts_now(&name) {
+            true => Duration::ZERO,
+            false => state.predict_start(now, &name, Ahead::Tag(tag)),
+        };
         let full = queued >= limits.max_queue || flow_waiting >= limits.max_per_flow;
         if full && !state.starts_now(&name) {
-            let head_starts = state.predict_start(now, &name, 0);
+            let head_starts = state.predict_start(now, &name, Ahead::Head);
             return Err(Rejection {
                 reason: RejectReason::QueueFull,
                 retry_after: head_starts,
@@ -299,20 +311,17 @@ impl Scheduler {
         if let Some(class_state) = state.classes.get_mut(&name) {
             let joined = class_state.flows.join(flow, service);
             debug_assert_eq!(joined, tag);
-            class_state.queue.insert(
-                position,
-                Waiter {
-                    id,
-                    arrived: now,
-                    service,
-                    tokens: job.tokens,
-                    preemptible: job.preemptible,
-                    paused: None,
-                    flow,
-                    tag,
-                    grant,
-                },
-            );
+            class_state.queue.push(Waiter {
+                id,
+                arrived: now,
+                service,
+                tokens: job.tokens,
+                preemptible: job.preemptible,
+                paused: None,
+                flow,
+                tag,
+                grant,
+            });
         }
         self.publish(&state, &name);
         self.dispatch(&mut state);
@@ -422,7 +431,6 @@ impl Scheduler {
         self.publish(&state, class);
         self.dispatch(&mut state);
         state.forget_drained();
-        state.compact();
     }
 
     /// Takes a waiting request out of its queue; false if it was not there (already granted).
@@ -431,21 +439,21 @@ impl Scheduler {
         let Some(class_state) = state.classes.get_mut(class) else {
             return false;
         };
-        let found = class_state.queue.iter().position(|waiter| waiter.id == id);
-        let removed = found
-            .and_then(|at| class_state.queue.remove(at))
+        let removed = class_state
+            .queue
+            .remove(id)
             .inspect(|waiter| class_state.flows.leave(waiter.flow, waiter.tag, false))
             .is_some();
         if removed {
             self.publish(&state, class);
-            state.compact();
         }
         removed
     }
 
     /// When a request of `class` at the head of its queue would start (for Retry-After).
     fn head_start(&self, class: &str) -> Duration {
-        self.lock().predict_start(Instant::now(), class, 0)
+        self.lock()
+            .predict_start(Instant::now(), class, Ahead::Head)
     }
 
     /// Turns every waiting request away (shutting_down) and refuses new ones.
@@ -455,7 +463,7 @@ impl Scheduler {
         let names: Vec<Arc<str>> = state.classes.keys().cloned().collect();
         for name in names {
             if let Some(class) = state.classes.get_mut(&name) {
-                for waiter in class.queue.drain(..) {
+                for waiter in class.queue.drain() {
                     let _ = waiter.grant.send(Err(RejectReason::ShuttingDown));
                 }
             }
@@ -513,12 +521,10 @@ impl Scheduler {
                 deadline_ms: class.limits.deadline.map(|d| d.as_millis() as u64),
                 queued: class.queue.len(),
                 running: class.running,
-                paused: class.queue.iter().filter(|w| w.paused.is_some()).count(),
+                paused: class.queue.paused(),
                 held: state.is_held(class),
                 retired: class.retired,
-                predicted_wait_ms: state
-                    .predict_start(now, name, class.queue.len())
-                    .as_millis() as u64,
+                predicted_wait_ms: state.predict_start(now, name, Ahead::End).as_millis() as u64,
             })
             .collect()
     }
@@ -593,36 +599,58 @@ impl State {
                 .any(|c| c.limits.priority <= own.limits.priority && !c.queue.is_empty())
     }
 
-    /// When a request at `position` in `class`'s queue would start: after what runs now and
-    /// the waiting work dispatched before it (classes of equal or higher priority, and its own
-    /// class's requests ahead of it), each at its estimate.
-    fn predict_start(&self, now: Instant, class: &str, position: usize) -> Duration {
+    /// When a request of `class` would start: after what runs now and the waiting work
+    /// dispatched before it (classes of equal or higher priority, and its own class's requests
+    /// `ahead`), each at its estimate. Up to `EXACT_UP_TO` jobs ahead, slot by slot; past that,
+    /// from the kept sums: their work shared by the slots (an upper bound within one job's
+    /// service), at a cost that does not grow with the line.
+    fn predict_start(&self, now: Instant, class: &str, ahead: Ahead) -> Duration {
         let Some(own) = self.classes.get(class) else {
             return Duration::ZERO;
         };
+        let before = |name: &Arc<str>, c: &ClassState| {
+            c.limits.priority <= own.limits.priority && name.as_ref() != class
+        };
+        let others = || self.classes.iter().filter(|(name, c)| before(name, c));
+        let own_count = match ahead {
+            Ahead::Head => 0,
+            Ahead::Tag(_) | Ahead::End => own.queue.len(),
+        };
+        let waiting = others().map(|(_, c)| c.queue.len()).sum::<usize>() + own_count;
         let remaining = self.running.values().map(|running| running.remaining(now));
-        let mut ahead: Vec<(i32, Instant, Duration)> = self
-            .classes
-            .iter()
-            .filter(|(name, c)| c.limits.priority <= own.limits.priority && name.as_ref() != class)
-            .flat_map(|(_, c)| {
-                c.queue
-                    .iter()
-                    .map(|w| (c.limits.priority, w.arrived, w.service))
-            })
-            .chain(
-                own.queue
-                    .iter()
-                    .take(position)
-                    .map(|w| (own.limits.priority, w.arrived, w.service)),
-            )
-            .collect();
-        ahead.sort_by_key(|(priority, arrived, _)| (*priority, *arrived));
-        predict_start(
-            self.capacity,
-            remaining,
-            ahead.into_iter().map(|(_, _, service)| service),
-        )
+        if waiting <= EXACT_UP_TO {
+            let own_ahead: Box<dyn Iterator<Item = &Waiter>> = match ahead {
+                Ahead::Head => Box::new(std::iter::empty()),
+                Ahead::Tag(tag) => Box::new(own.queue.ahead_of(tag)),
+                Ahead::End => Box::new(own.queue.iter()),
+            };
+            let mut jobs: Vec<(i32, Instant, Duration)> = others()
+                .flat_map(|(_, c)| {
+                    c.queue
+                        .iter()
+                        .map(|w| (c.limits.priority, w.arrived, w.service))
+                })
+                .chain(own_ahead.map(|w| (own.limits.priority, w.arrived, w.service)))
+                .collect();
+            jobs.sort_by_key(|(priority, arrived, _)| (*priority, *arrived));
+            return predict_start(
+                self.capacity,
+                remaining,
+                jobs.into_iter().map(|(_, _, service)| service),
+            );
+        }
+        if self.running.len() + waiting < self.capacity {
+            return Duration::ZERO;
+        }
+        let own_work = match ahead {
+            Ahead::Head => Duration::ZERO,
+            Ahead::Tag(tag) => own.flows.work_before(tag).min(own.queue.service()),
+            Ahead::End => own.queue.service(),
+        };
+        let work = remaining
+            .chain(others().map(|(_, c)| c.queue.service()))
+            .fold(own_work, Duration::saturating_add);
+        work / u32::try_from(self.capacity.max(1)).unwrap_or(u32::MAX)
     }
 
     /// Where every slot is taken and a more urgent request waits: asks the running preemptible
@@ -651,15 +679,6 @@ impl State {
         if let Some(victim) = victim {
             victim.preempting = true;
             victim.progress.preempt();
-        }
-    }
-
-    /// Gives back the room a long queue left behind once it has drained.
-    fn compact(&mut self) {
-        for class in self.classes.values_mut() {
-            if class.queue.is_empty() && class.queue.capacity() > 64 {
-                class.queue.shrink_to(16);
-            }
         }
     }
 

@@ -325,3 +325,41 @@ async fn reload_changes_limits_and_keeps_the_queue() {
         "a removed class goes once drained"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_long_line_is_predicted_from_its_sums_as_the_short_one_is_slot_by_slot() {
+    let mut config = config(2);
+    if let Some(batch) = config.class.get_mut("batch") {
+        batch.max_queue = 2_000;
+    }
+    let scheduler = Scheduler::new(&config, Metrics::new());
+    let mut tickets = Vec::new();
+    let mut predicted = Vec::new();
+    // Every request costs the 1 s prior; two slots: the n-th waiting starts after n/2 s.
+    for _ in 0..1_000 {
+        let ticket = scheduler.enqueue(job("batch", None)).expect("room");
+        predicted.push(ticket.predicted());
+        tickets.push(ticket);
+    }
+    for (n, predicted) in predicted.iter().enumerate() {
+        let waiting_ahead = n.saturating_sub(2) as f64;
+        let exact = (waiting_ahead / 2.0).ceil() + f64::from(u8::from(n >= 2));
+        let error = (predicted.as_secs_f64() - exact).abs();
+        assert!(
+            error <= 1.0,
+            "request {n}: predicted {predicted:?}, slot by slot {exact} s"
+        );
+    }
+    // The one at the end of the line, as /status shows it, from the sums.
+    let batch = scheduler
+        .snapshot()
+        .into_iter()
+        .find(|c| c.name == "batch")
+        .expect("batch");
+    assert_eq!(batch.queued, 998);
+    assert!(
+        (499_000..=500_000).contains(&batch.predicted_wait_ms),
+        "{}",
+        batch.predicted_wait_ms
+    );
+}

@@ -95,9 +95,8 @@ impl Ticket {
     }
 
     /// Whether its permit has been sent (without waiting for it).
-    #[cfg(test)]
-    pub(super) fn is_granted(&mut self) -> bool {
-        self.granted.as_mut().is_some_and(|rx| !rx.is_empty())
+    pub fn is_granted(&self) -> bool {
+        self.granted.as_ref().is_some_and(|rx| !rx.is_empty())
     }
 
     fn rejection(&self, reason: RejectReason) -> Rejection {

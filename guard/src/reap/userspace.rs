@@ -13,10 +13,11 @@ use super::{event::monotonic_now, registry::Connection};
 const PENDING_DATA_RECHECK: Duration = Duration::from_millis(50);
 
 /// A second handle on an accepted socket, for watching it beside hyper.
-pub fn duplicate(stream: &TcpStream) -> std::io::Result<TcpStream> {
+pub fn duplicate(stream: &TcpStream) -> std::io::Result<std::net::TcpStream> {
     let fd = stream.as_fd().try_clone_to_owned()?;
-    // The duplicate shares the file description, which is already non-blocking.
-    TcpStream::from_std(std::net::TcpStream::from(fd))
+    // The duplicate shares the file description, which is already non-blocking; the thread
+    // that watches it registers it with its own reactor.
+    Ok(std::net::TcpStream::from(fd))
 }
 
 /// Returns once the client has gone (EOF or reset), after marking the connection so.

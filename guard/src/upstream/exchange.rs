@@ -12,9 +12,13 @@
 //! keep-alive timeouts, and each is checked for a close before it is used.
 
 use std::{
+    collections::VecDeque,
     future::Future,
     pin::Pin,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
     task::{Context, Poll},
     time::Duration,
 };
@@ -44,8 +48,6 @@ pub type MemoryConnect = Arc<dyn Fn() -> Box<dyn Io> + Send + Sync>;
 /// How long an idle connection is kept: far below the keep-alive timeouts of llama-server
 /// (5 s), Ollama and nginx, so the server is not closing it as guard reuses it.
 const IDLE_TTL: Duration = Duration::from_secs(2);
-/// Idle connections kept at most.
-const IDLE_MAX: usize = 16;
 
 /// How guard reaches the upstream for queued requests.
 #[derive(Clone)]
@@ -58,10 +60,15 @@ pub enum Dial {
     Memory(MemoryConnect),
 }
 
-/// Reaches the upstream, and keeps the idle connections finished exchanges leave.
+/// Reaches the upstream, and keeps the idle connections finished exchanges leave: as many as
+/// there may be exchanges at once (`upstream.max_concurrency`), so that a full house of
+/// single-document answers does not open a connection per request.
 pub struct Connector {
     dial: Dial,
-    idle: Mutex<Vec<Idle>>,
+    /// Oldest first: connections are checked in in time order, so the expired ones are at the
+    /// front and each check-in or check-out touches only the ends.
+    idle: Mutex<VecDeque<Idle>>,
+    idle_max: AtomicUsize,
 }
 
 /// A keep-alive connection with no exchange on it.
@@ -72,14 +79,20 @@ struct Idle {
 }
 
 impl Connector {
-    pub fn new(dial: Dial) -> Arc<Self> {
+    pub fn new(dial: Dial, idle_max: usize) -> Arc<Self> {
         Arc::new(Self {
             dial,
             idle: Mutex::default(),
+            idle_max: AtomicUsize::new(idle_max),
         })
     }
 
-    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
+    /// Keeps at most `idle_max` idle connections from now on (a reload changed the limit).
+    pub fn set_idle_max(&self, idle_max: usize) {
+        self.idle_max.store(idle_max, Ordering::Relaxed);
+    }
+
+    fn idle(&self) -> std::sync::MutexGuard<'_, VecDeque<Idle>> {
         self.idle
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -88,7 +101,7 @@ impl Connector {
     /// The most recent idle connection that is young and still open.
     fn check_out(&self) -> Option<Idle> {
         let mut idle = self.idle();
-        while let Some(mut candidate) = idle.pop() {
+        while let Some(mut candidate) = idle.pop_back() {
             if candidate.since.elapsed() < IDLE_TTL && candidate.is_open() {
                 return Some(candidate);
             }
@@ -102,11 +115,16 @@ impl Connector {
             return;
         }
         let mut pool = self.idle();
-        pool.retain(|old| old.since.elapsed() < IDLE_TTL);
-        if pool.len() >= IDLE_MAX {
-            pool.remove(0);
+        while pool
+            .front()
+            .is_some_and(|old| old.since.elapsed() >= IDLE_TTL)
+        {
+            pool.pop_front();
         }
-        pool.push(idle);
+        while pool.len() >= self.idle_max.load(Ordering::Relaxed).max(1) {
+            pool.pop_front();
+        }
+        pool.push_back(idle);
     }
 }
 

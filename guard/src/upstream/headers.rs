@@ -3,15 +3,17 @@
 
 /// Removes the fixed hop-by-hop headers and every header the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut http::HeaderMap) {
-    const HOP_BY_HOP: &[&str] = &[
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "upgrade",
+    use http::{HeaderName, header};
+    // Names made once: removing by `&str` parses the name on every request.
+    const HOP_BY_HOP: [HeaderName; 8] = [
+        header::CONNECTION,
+        HeaderName::from_static("keep-alive"),
+        header::PROXY_AUTHENTICATE,
+        header::PROXY_AUTHORIZATION,
+        HeaderName::from_static("proxy-connection"),
+        header::TE,
+        header::TRAILER,
+        header::UPGRADE,
     ];
     let named: Vec<http::HeaderName> = headers
         .get_all(http::header::CONNECTION)
@@ -23,8 +25,8 @@ pub fn strip_hop_by_hop(headers: &mut http::HeaderMap) {
     for name in named {
         headers.remove(name);
     }
-    for name in HOP_BY_HOP {
-        headers.remove(*name);
+    for name in &HOP_BY_HOP {
+        headers.remove(name);
     }
 }
 

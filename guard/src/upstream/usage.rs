@@ -17,6 +17,8 @@ pub struct Usage {
     pub decode_per_second: Option<f64>,
     /// The server's own end marker was seen (`[DONE]`, a finish reason, `done`, `stop`).
     pub ended: bool,
+    /// How long loading the model took (Ollama's `load_duration`), where the answer says.
+    pub load: Option<std::time::Duration>,
 }
 
 /// One event or a whole answer, as far as guard reads it.
@@ -39,6 +41,7 @@ pub struct Report {
     eval_count: Option<u64>,
     /// Nanoseconds.
     eval_duration: Option<u64>,
+    load_duration: Option<u64>,
     done: Option<bool>,
     done_reason: Option<String>,
 }
@@ -131,6 +134,7 @@ impl Report {
                 .or(self.eval_count),
             decode_per_second: timings.and_then(|t| t.predicted_per_second).or(ollama_rate),
             ended: ended || self.finish().is_some(),
+            load: self.load_duration.map(std::time::Duration::from_nanos),
         }
     }
 }
@@ -177,16 +181,27 @@ mod tests {
                 prompt: Some(9),
                 generated: Some(12),
                 decode_per_second: Some(80.5),
-                ended: true
+                ended: true,
+                load: None,
             }
         );
         let cut = b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n";
         assert!(!read(StreamFormat::Sse, cut).ended);
-        let ollama = b"{\"response\":\"a\",\"done\":false}\n{\"response\":\"\",\"done\":true,\"prompt_eval_count\":5,\"eval_count\":10,\"eval_duration\":500000000}\n";
+        let ollama = b"{\"response\":\"a\",\"done\":false}\n{\"response\":\"\",\"done\":true,\"prompt_eval_count\":5,\"eval_count\":10,\"eval_duration\":500000000,\"load_duration\":1500000000}\n";
         let usage = read(StreamFormat::Ndjson, ollama);
         assert_eq!(
-            (usage.generated, usage.decode_per_second, usage.ended),
-            (Some(10), Some(20.0), true)
+            (
+                usage.generated,
+                usage.decode_per_second,
+                usage.ended,
+                usage.load
+            ),
+            (
+                Some(10),
+                Some(20.0),
+                true,
+                Some(std::time::Duration::from_millis(1500))
+            )
         );
         let whole = br#"{"choices":[{"message":{"content":"x"},"finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":4}}"#;
         assert_eq!(read(StreamFormat::Whole, whole).generated, Some(4));

@@ -66,6 +66,26 @@ async fn collect(
     Ok(bytes)
 }
 
+/// The head with bytes of its own. hyper's header values and path are slices of the
+/// connection's read buffer (8 KiB): a request that waits in line would keep that buffer
+/// from being reused, and hyper would take another for the next read, for as long as it
+/// waits. A value that does not copy (none should: hyper checked it) stays as it was.
+fn detach(mut head: request::Parts) -> request::Parts {
+    let mut headers = http::HeaderMap::with_capacity(head.headers.len());
+    for (name, value) in &head.headers {
+        let copy = http::HeaderValue::from_bytes(value.as_bytes()).map(|mut copy| {
+            copy.set_sensitive(value.is_sensitive());
+            copy
+        });
+        headers.append(name.clone(), copy.unwrap_or_else(|_| value.clone()));
+    }
+    head.headers = headers;
+    if let Ok(uri) = head.uri.to_string().parse() {
+        head.uri = uri;
+    }
+    head
+}
+
 /// The client's process, looked up once per connection (the eBPF record, else /proc).
 fn client_process(proxy: &Proxy, connection: &Connection) -> Option<Arc<Peer>> {
     let tracker = proxy.tracker.as_deref();
@@ -81,7 +101,7 @@ fn too_large(limit: u64) -> Ending {
 
 impl QueuedRequest {
     pub(super) async fn phases(&mut self, request: Request<Incoming>) -> Phase<Ending> {
-        let (head, body) = request.into_parts();
+        let (mut head, body) = request.into_parts();
         // Until the body is read, the class is the one the head alone points to (rules on the
         // model need the body): its body-read limit applies.
         if let Ok(class) = self.decide(&head, None, false) {
@@ -110,6 +130,9 @@ impl QueuedRequest {
             preemptible: tracked.is_some(),
             flow,
         })?;
+        if !ticket.is_granted() {
+            head = detach(head);
+        }
         self.wait(ticket).await?;
         // Boxed: a request waiting in the queue (there may be thousands) then holds only the
         // state of the phases it has reached, not that of forwarding and relaying.

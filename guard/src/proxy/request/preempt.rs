@@ -230,6 +230,7 @@ impl QueuedRequest {
             generated: Some(transcript.generated),
             decode_per_second: None,
             ended: transcript.ended,
+            load: None,
         });
         if tracked.plan.client_streams {
             return Ending::quiet(Outcome::Completed);

@@ -16,7 +16,6 @@ use crate::{
         outcome::{FailKind, Outcome, Stage, Timeout},
     },
     upstream::{
-        api::{self, ollama},
         exchange::Exchange,
         frames::{self, Lines, StreamFormat},
         resume::{self, Transcript},
@@ -144,8 +143,10 @@ impl QueuedRequest {
                 }
                 self.answer_is_json = Some(resume::is_json(&text.transcript.text));
             }
-            if self.shape == ErrorShape::Ollama {
-                self.note_cold_load(&relay.tail);
+            if self.shape == ErrorShape::Ollama
+                && let Some(load) = usage.load
+            {
+                self.note_cold_load(load);
             }
         }
         self.relay = Some(relay);
@@ -263,15 +264,7 @@ impl QueuedRequest {
     }
 
     /// Ollama's answer says how long its model took to load: a long load is a cold load.
-    fn note_cold_load(&self, tail: &[u8]) {
-        // Ollama's last line says how long loading the model took.
-        let last: Option<ollama::Chunk> = frames::last_line(tail).and_then(api::parse);
-        let Some(load) = last
-            .and_then(|chunk| chunk.load_duration)
-            .map(Duration::from_nanos)
-        else {
-            return;
-        };
+    fn note_cold_load(&self, load: Duration) {
         let model = self
             .proxy
             .remote_models

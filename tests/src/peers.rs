@@ -1,0 +1,256 @@
+//! The peers guard is measured against and the balancers it feeds, all from Debian packages:
+//! nginx (a fixed upstream, and a `proxy_pass` with upstream keepalive), HAProxy, and `wrk`
+//! as the load generator. Each server runs in the foreground in a directory of its own and
+//! stops when dropped.
+
+use std::{
+    net::SocketAddr,
+    path::Path,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use crate::{TempDir, free_addr};
+
+const NGINX: &str = "/usr/sbin/nginx";
+const HAPROXY: &str = "/usr/sbin/haproxy";
+const WRK: &str = "/usr/bin/wrk";
+/// How long a peer may take to start listening.
+const READY_BOUND: Duration = Duration::from_secs(20);
+
+/// A server process of a peer, killed on drop.
+pub struct Peer {
+    pub addr: SocketAddr,
+    child: Child,
+    _dir: TempDir,
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Peer {
+    /// nginx answering `routes` (path prefix, JSON body) with 200, and `fallback` elsewhere.
+    pub fn nginx_fixed(routes: &[(&str, &str)], fallback: &str) -> Self {
+        let mut locations = String::new();
+        for (path, body) in routes {
+            locations.push_str(&format!(
+                "location {path} {{ default_type application/json; return 200 '{}'; }}\n",
+                escape_nginx(body)
+            ));
+        }
+        locations.push_str(&format!(
+            "location / {{ default_type application/json; return 200 '{}'; }}\n",
+            escape_nginx(fallback)
+        ));
+        Self::nginx("nginx-upstream", &locations, None)
+    }
+
+    /// nginx's `proxy_pass` to `upstream` with a kept-alive upstream pool, streaming both
+    /// ways (no request or response buffering), as one puts it in front of an inference
+    /// server.
+    pub fn nginx_proxy(upstream: SocketAddr) -> Self {
+        let location = "location / {\n\
+             proxy_pass http://backend;\n\
+             proxy_http_version 1.1;\n\
+             proxy_set_header Connection \"\";\n\
+             proxy_buffering off;\n\
+             proxy_request_buffering off;\n\
+             proxy_read_timeout 300s;\n\
+             }\n";
+        let pool = format!("upstream backend {{ server {upstream}; keepalive 512; }}\n");
+        Self::nginx("nginx-proxy", location, Some(&pool))
+    }
+
+    fn nginx(name: &str, locations: &str, upstream_block: Option<&str>) -> Self {
+        let dir = TempDir::new(&format!("{name}-{}", free_addr().port()));
+        let addr = free_addr();
+        let prefix = dir.0.display();
+        let config = format!(
+            "user root;\nworker_processes auto;\npid {prefix}/nginx.pid;\n\
+             error_log {prefix}/error.log warn;\n\
+             events {{ worker_connections 4096; }}\n\
+             http {{\n\
+             access_log off;\n\
+             client_body_temp_path {prefix}/body;\n\
+             proxy_temp_path {prefix}/proxy;\n\
+             fastcgi_temp_path {prefix}/fastcgi;\n\
+             uwsgi_temp_path {prefix}/uwsgi;\n\
+             scgi_temp_path {prefix}/scgi;\n\
+             client_max_body_size 0;\n\
+             keepalive_requests 1000000;\n\
+             keepalive_timeout 300s;\n\
+             {}\
+             server {{\nlisten {addr} reuseport backlog=4096;\n{locations}}}\n}}\n",
+            upstream_block.unwrap_or("")
+        );
+        let path = dir.0.join("nginx.conf");
+        std::fs::write(&path, config).expect("write nginx.conf");
+        let mut command = Command::new(NGINX);
+        command
+            .arg("-p")
+            .arg(&dir.0)
+            .arg("-c")
+            .arg(&path)
+            .args(["-g", "daemon off;"]);
+        Self::spawn(command, addr, dir, "nginx")
+    }
+
+    /// HAProxy in HTTP mode in front of `upstream`, reusing server connections, with
+    /// `http-no-delay` as in front of a token stream (by default it holds small frames back
+    /// to send them together: 81 ms a frame in one run).
+    pub fn haproxy(upstream: SocketAddr) -> Self {
+        let dir = TempDir::new(&format!("haproxy-{}", free_addr().port()));
+        let addr = free_addr();
+        let config = format!(
+            "global\n  maxconn 4096\n\
+             defaults\n  mode http\n  timeout connect 5s\n  timeout client 300s\n  timeout server 300s\n  \
+             option http-keep-alive\n  option http-no-delay\n  http-reuse always\n\
+             frontend front\n  bind {addr}\n  default_backend back\n\
+             backend back\n  server upstream {upstream}\n"
+        );
+        let path = dir.0.join("haproxy.cfg");
+        std::fs::write(&path, config).expect("write haproxy.cfg");
+        let mut command = Command::new(HAPROXY);
+        command.arg("-db").arg("-f").arg(&path);
+        Self::spawn(command, addr, dir, "haproxy")
+    }
+
+    /// Starts `command` and waits until `addr` accepts connections.
+    pub fn spawn(mut command: Command, addr: SocketAddr, dir: TempDir, name: &str) -> Self {
+        let log = std::fs::File::create(dir.0.join("output.log")).expect("create log");
+        let child = command
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|err| panic!("start {name} (run `cargo xtask setup`): {err}"));
+        let mut peer = Self {
+            addr,
+            child,
+            _dir: dir,
+        };
+        peer.wait_listening(name);
+        peer
+    }
+
+    fn wait_listening(&mut self, name: &str) {
+        let started = Instant::now();
+        while std::net::TcpStream::connect(self.addr).is_err() {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                let log = std::fs::read_to_string(self._dir.0.join("output.log"));
+                panic!("{name} exited with {status}: {}", log.unwrap_or_default());
+            }
+            assert!(started.elapsed() < READY_BOUND, "{name} did not listen");
+            // Polling a port the child has not bound yet: no event to wait on.
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The directory the peer runs in (its config and log).
+    pub fn dir(&self) -> &Path {
+        &self._dir.0
+    }
+}
+
+/// nginx's `return` takes a quoted string: escape its quote and backslash.
+fn escape_nginx(body: &str) -> String {
+    body.replace('\\', "\\\\").replace('\'', "\\'")
+}
+
+/// The CPU time `pid` and its child processes (nginx's workers) have used, all threads.
+pub fn cpu_time(pid: u32) -> Duration {
+    let ticks = |pid: u32| -> Option<(u64, Vec<u32>)> {
+        let process = procfs::process::Process::new(i32::try_from(pid).ok()?).ok()?;
+        let stat = process.stat().ok()?;
+        let children = process
+            .tasks()
+            .ok()?
+            .flatten()
+            .filter_map(|task| task.children().ok())
+            .flatten()
+            .collect();
+        Some((stat.utime + stat.stime, children))
+    };
+    let (own, children) = ticks(pid).unwrap_or_default();
+    let total = own
+        + children
+            .into_iter()
+            .filter_map(|c| ticks(c).map(|t| t.0))
+            .sum::<u64>();
+    Duration::from_secs_f64(total as f64 / procfs::ticks_per_second() as f64)
+}
+
+/// What one `wrk` run measured.
+#[derive(Clone, Copy, Debug)]
+pub struct Load {
+    pub requests: u64,
+    pub requests_per_second: f64,
+    pub p50: Duration,
+    pub p99: Duration,
+    /// Requests that failed or got a status other than 2xx/3xx.
+    pub errors: u64,
+}
+
+/// A closed-loop load of POST `body` to `path` from `connections` kept-alive clients.
+pub struct Wrk {
+    pub connections: usize,
+    pub duration: Duration,
+    pub threads: usize,
+}
+
+impl Wrk {
+    pub fn run(&self, addr: SocketAddr, path: &str, body: &str) -> Load {
+        let dir = TempDir::new(&format!("wrk-{}", free_addr().port()));
+        let script = dir.0.join("post.lua");
+        std::fs::write(&script, wrk_script(body)).expect("write the wrk script");
+        let output = Command::new(WRK)
+            .arg(format!("-t{}", self.threads.min(self.connections)))
+            .arg(format!("-c{}", self.connections))
+            .arg(format!("-d{}s", self.duration.as_secs().max(1)))
+            .args(["--timeout", "10s", "-s"])
+            .arg(&script)
+            .arg(format!("http://{addr}{path}"))
+            .output()
+            .expect("run wrk (run `cargo xtask setup`)");
+        let text = String::from_utf8_lossy(&output.stdout);
+        parse_result(&text).unwrap_or_else(|| panic!("wrk printed no result: {text}"))
+    }
+}
+
+fn wrk_script(body: &str) -> String {
+    let body = body.replace('\\', "\\\\").replace('"', "\\\"");
+    format!(
+        "wrk.method = \"POST\"\nwrk.body = \"{body}\"\nwrk.headers[\"Content-Type\"] = \"application/json\"\n\
+         done = function(summary, latency, requests)\n\
+         local e = summary.errors\n\
+         io.write(string.format(\"RESULT %d %d %d %d %d\\n\", summary.requests, summary.duration, \
+         latency:percentile(50), latency:percentile(99), e.connect + e.read + e.write + e.status + e.timeout))\n\
+         end\n"
+    )
+}
+
+fn parse_result(text: &str) -> Option<Load> {
+    let line = text.lines().find_map(|l| l.strip_prefix("RESULT "))?;
+    let numbers: Vec<u64> = line
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let [requests, duration_us, p50, p99, errors] = numbers[..] else {
+        return None;
+    };
+    Some(Load {
+        requests,
+        requests_per_second: requests as f64 / (duration_us as f64 / 1e6),
+        p50: Duration::from_micros(p50),
+        p99: Duration::from_micros(p99),
+        errors,
+    })
+}
