@@ -40,6 +40,8 @@ pub enum DaemonError {
     Signal(std::io::Error),
     #[error(transparent)]
     Workers(#[from] proxy::WorkersError),
+    #[error("cannot make the model-server metrics")]
+    Metrics(#[source] prometheus::Error),
     #[error(transparent)]
     Throttle(#[from] ThrottleSetupError),
 }
@@ -57,6 +59,8 @@ pub struct Setup {
     throttler: Throttler,
     proxy: std::net::TcpListener,
     metrics_listener: std::net::TcpListener,
+    /// HAProxy's agent check (`cluster.agent_listen`), where configured.
+    agent: Option<std::net::TcpListener>,
     port: u16,
     ebpf: Result<Loaded, EbpfError>,
 }
@@ -69,6 +73,11 @@ impl Setup {
         let throttler = Throttler::new(config, &metrics)?;
         let proxy = bind("server.listen", config.server.listen)?;
         let metrics_listener = bind("metrics.listen", config.metrics.listen)?;
+        let agent = config
+            .cluster
+            .agent_listen
+            .map(|addr| bind("cluster.agent_listen", addr))
+            .transpose()?;
         let port = proxy
             .local_addr()
             .map_or(config.server.listen.port(), |a| a.port());
@@ -82,6 +91,7 @@ impl Setup {
             throttler,
             proxy,
             metrics_listener,
+            agent,
             port,
             ebpf,
         })
@@ -164,19 +174,47 @@ pub async fn run(
         throughput,
         started,
     };
-    let status: metrics::StatusFn =
-        Arc::new(move || serde_json::to_string(&sources.status()).unwrap_or_default());
+    let sources = Arc::new(sources);
+    let status: metrics::StatusFn = {
+        let sources = Arc::clone(&sources);
+        Arc::new(move || serde_json::to_string(&sources.status()).unwrap_or_default())
+    };
     let limits = metrics::Limits {
         max_connections: config.metrics.max_connections as usize,
         header_read_timeout: Duration::from_millis(config.metrics.header_read_timeout_ms),
         bearer: config.metrics.bearer.clone(),
+    };
+    let model_server =
+        crate::cluster::model_server::ModelServer::new().map_err(DaemonError::Metrics)?;
+    let extra = metrics::Extra {
+        path: config.cluster.model_server_path.clone(),
+        render: {
+            let sources = Arc::clone(&sources);
+            Arc::new(move || model_server.render(&sources.cluster()))
+        },
     };
     let metrics_task = tokio::spawn(metrics::serve(
         metrics_listener,
         metrics.clone(),
         status,
         limits,
+        extra,
     ));
+    let agent_task = match setup.agent {
+        Some(listener) => {
+            let addr = config.cluster.agent_listen.unwrap_or(config.server.listen);
+            let listener = listening("cluster.agent_listen", addr, listener)?;
+            let sources = Arc::clone(&sources);
+            let refused = metrics
+                .connections_refused_total
+                .with_label_values(&["agent"]);
+            let line: crate::cluster::agent::LineFn = Arc::new(move || sources.cluster().agent);
+            Some(tokio::spawn(crate::cluster::agent::serve(
+                listener, line, refused,
+            )))
+        }
+        None => None,
+    };
     let (configs, configs_seen) = watch::channel(config.clone());
     let risk_task = tokio::spawn(risk::run(
         configs_seen,
@@ -226,6 +264,9 @@ pub async fn run(
         tracing::error!(%err, "proxy task failed");
     }
     metrics_task.abort();
+    if let Some(agent) = agent_task {
+        agent.abort();
+    }
     risk_task.abort();
     throttler
         .lock()
@@ -422,6 +463,24 @@ impl StatusSources {
                     .throttled(),
             },
             watch: self.watched.status(),
+            cluster: self.cluster(),
         }
+    }
+
+    /// What the balancers are told now.
+    fn cluster(&self) -> crate::cluster::ClusterView {
+        let classes = self.scheduler.snapshot();
+        let upstream = self.watched.status().upstream;
+        crate::cluster::Inputs {
+            classes: &classes,
+            capacity: self.config.upstream.max_concurrency,
+            served: self.config.cluster.agent_classes.as_deref(),
+            at_risk: !self.risk.signals().is_empty(),
+            shutting_down: self.scheduler.is_shutting_down(),
+            upstream_up: upstream.as_ref().map(|u| u.up),
+            upstream_waiting: upstream.as_ref().and_then(|u| u.deferred),
+            upstream_kv_usage: upstream.as_ref().and_then(|u| u.kv_usage),
+        }
+        .view()
     }
 }

@@ -4,6 +4,7 @@
 
 pub mod classify;
 pub mod cli;
+pub mod cluster;
 pub mod config;
 pub mod daemon;
 pub mod doctor;

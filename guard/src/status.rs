@@ -36,6 +36,9 @@ pub struct Status {
     pub capabilities: Vec<String>,
     /// What the watchers last read (host, GPUs, the upstream's own state).
     pub watch: WatchStatus,
+    /// What the balancers are told: HAProxy's agent line, the llm-d router's values.
+    #[serde(default)]
+    pub cluster: crate::cluster::ClusterView,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -156,6 +159,15 @@ pub fn render(status: &Status) -> String {
     line("at risk", list(signals.collect()));
     line("throttled", list(status.risk.throttled_classes.clone()));
     line("capabilities", list(status.capabilities.clone()));
+    let cluster = &status.cluster;
+    line("haproxy agent", cluster.agent.clone());
+    line(
+        "llm-d router",
+        format!(
+            "waiting {}, running {}, kv usage {:.2}",
+            cluster.waiting, cluster.running, cluster.usage
+        ),
+    );
     out.push_str(&format!(
         "\n{:<14} {:>8} {:>9} {:>11} {:>7} {:>8} {:>9}\n",
         "class", "priority", "max_queue", "deadline_ms", "queued", "running", "wait_ms"

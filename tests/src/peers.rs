@@ -119,6 +119,42 @@ impl Peer {
         Self::spawn(command, addr, dir, "haproxy")
     }
 
+    /// HAProxy balancing round robin over `servers` (each a guard's proxy address and, where
+    /// given, its agent-check address, asked every 200 ms), with a stats page on `stats`.
+    pub fn haproxy_balancer(
+        servers: &[(SocketAddr, Option<SocketAddr>)],
+        stats: SocketAddr,
+    ) -> Self {
+        let dir = TempDir::new(&format!("haproxy-lb-{}", free_addr().port()));
+        let addr = free_addr();
+        let mut backend = String::new();
+        for (i, (server, agent)) in servers.iter().enumerate() {
+            let agent = agent.map_or(String::new(), |a| {
+                format!(
+                    " agent-check agent-addr {} agent-port {} agent-inter 200ms",
+                    a.ip(),
+                    a.port()
+                )
+            });
+            backend.push_str(&format!(
+                "  server box{i} {server} check inter 200ms weight 100{agent}\n"
+            ));
+        }
+        let config = format!(
+            "global\n  maxconn 4096\n\
+             defaults\n  mode http\n  timeout connect 5s\n  timeout client 60s\n  timeout server 60s\n  \
+             option http-keep-alive\n\
+             frontend front\n  bind {addr}\n  default_backend fleet\n\
+             frontend stats\n  bind {stats}\n  stats enable\n  stats uri /stats\n\
+             backend fleet\n  balance roundrobin\n{backend}"
+        );
+        let path = dir.0.join("haproxy.cfg");
+        std::fs::write(&path, config).expect("write haproxy.cfg");
+        let mut command = Command::new(HAPROXY);
+        command.arg("-db").arg("-f").arg(&path);
+        Self::spawn(command, addr, dir, "haproxy")
+    }
+
     /// Starts `command` and waits until `addr` accepts connections.
     pub fn spawn(mut command: Command, addr: SocketAddr, dir: TempDir, name: &str) -> Self {
         let log = std::fs::File::create(dir.0.join("output.log")).expect("create log");

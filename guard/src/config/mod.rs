@@ -33,6 +33,30 @@ pub struct Config {
     pub risk: RiskConfig,
     pub class: BTreeMap<String, ClassConfig>,
     pub classify: ClassifyConfig,
+    pub cluster: ClusterConfig,
+}
+
+/// What guard tells the balancers above it (docs/design.md §11).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    /// HAProxy's agent check: one line a connection on this address. Absent: off.
+    pub agent_listen: Option<SocketAddr>,
+    /// The classes the balancer's frontend serves: the agent's weight is their free room.
+    /// Absent: every class.
+    pub agent_classes: Option<Vec<String>>,
+    /// Where the metrics listener serves the model-server view the llm-d router scrapes.
+    pub model_server_path: String,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            agent_listen: None,
+            agent_classes: None,
+            model_server_path: "/metrics/model-server".to_owned(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -486,6 +510,7 @@ impl Default for Config {
             risk: RiskConfig::default(),
             class,
             classify: ClassifyConfig::default(),
+            cluster: ClusterConfig::default(),
         }
     }
 }

@@ -82,7 +82,44 @@ impl Config {
         self.check_paths()?;
         self.check_risk()?;
         self.check_classes()?;
-        self.check_rules()
+        self.check_rules()?;
+        self.check_cluster()
+    }
+
+    /// The agent's address is its own; its classes exist; the model-server path is a path of
+    /// its own on the metrics listener.
+    fn check_cluster(&self) -> Result<(), Invalid> {
+        let cluster = &self.cluster;
+        if let Some(agent) = cluster.agent_listen
+            && [self.server.listen, self.metrics.listen].contains(&agent)
+        {
+            return Err(Invalid::new(
+                "cluster.agent_listen",
+                format!("{agent} is already server.listen or metrics.listen"),
+            ));
+        }
+        for class in cluster.agent_classes.iter().flatten() {
+            if !self.class.contains_key(class) {
+                return Err(Invalid::new(
+                    "cluster.agent_classes",
+                    format!("no class `{class}` (classes: {})", self.class_names()),
+                ));
+            }
+        }
+        let path = &cluster.model_server_path;
+        let valid = path.starts_with('/')
+            && path.len() <= 256
+            && path
+                .bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'?' && b != b'%')
+            && !["/metrics", "/status"].contains(&path.as_str());
+        if !valid {
+            return Err(Invalid::new(
+                "cluster.model_server_path",
+                "a path of its own: starts with `/`, no `?` or `%`, not /metrics or /status",
+            ));
+        }
+        Ok(())
     }
 
     /// Every integer limit outside the classes, with its range.

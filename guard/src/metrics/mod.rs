@@ -7,7 +7,7 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-pub use server::{Limits, StatusFn, serve};
+pub use server::{Extra, Limits, StatusFn, serve};
 
 /// Buckets for waits and latencies, from 1 ms to 5 minutes.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -263,7 +263,7 @@ impl Metrics {
             .expect("valid gauge"),
             connections_refused_total: counter_vec(
                 "guard_connections_refused_total",
-                "Connections closed at once because their listener was full (proxy: server.max_connections, metrics: metrics.max_connections).",
+                "Connections closed at once because their listener was full (proxy: server.max_connections, metrics: metrics.max_connections, agent: 64).",
                 &["listener"],
             ),
             registry,

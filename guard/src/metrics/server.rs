@@ -1,4 +1,5 @@
-//! The metrics listener: `GET /metrics` (Prometheus text) and `GET /status` (JSON).
+//! The metrics listener: `GET /metrics` (Prometheus text), `GET /status` (JSON), and one more
+//! text endpoint (the model-server view, `cluster.model_server_path`).
 
 use std::{convert::Infallible, sync::Arc, time::Duration};
 
@@ -15,6 +16,13 @@ use crate::listen::{Accepted, Acceptor, Arrival};
 /// Produces the `/status` document (JSON), and brings metrics read from elsewhere up to date.
 pub type StatusFn = Arc<dyn Fn() -> String + Send + Sync>;
 
+/// One more text endpoint on the listener (the model-server view): its path and its text.
+#[derive(Clone)]
+pub struct Extra {
+    pub path: String,
+    pub render: Arc<dyn Fn() -> String + Send + Sync>,
+}
+
 /// How the metrics listener is bounded: scrapers are few, and none may hold it up.
 #[derive(Clone, Debug)]
 pub struct Limits {
@@ -27,7 +35,13 @@ pub struct Limits {
 /// Serves until the task is dropped. Connections over the cap are closed at once; a scraper
 /// must send its request head within the header timeout. Whatever happens here, the proxy
 /// listener is another task and another socket.
-pub async fn serve(listener: TcpListener, metrics: Metrics, status: StatusFn, limits: Limits) {
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Metrics,
+    status: StatusFn,
+    limits: Limits,
+    extra: Extra,
+) {
     let refused = metrics
         .connections_refused_total
         .with_label_values(&["metrics"]);
@@ -40,10 +54,14 @@ pub async fn serve(listener: TcpListener, metrics: Metrics, status: StatusFn, li
         let metrics = metrics.clone();
         let status = Arc::clone(&status);
         let bearer = limits.bearer.clone();
+        let extra = extra.clone();
         tokio::spawn(async move {
             let service = service_fn(move |request| {
                 let response = match &bearer {
                     Some(secret) if !secret.authorizes(request.headers()) => unauthorized(),
+                    _ if request.method() == Method::GET && request.uri().path() == extra.path => {
+                        text((extra.render)())
+                    }
                     _ => respond(&request, &metrics, &status),
                 };
                 async move { Ok::<_, Infallible>(response) }
@@ -75,13 +93,7 @@ fn respond(
         "/metrics" => {
             // /status refreshes what is read from elsewhere (kernel counters, watchers).
             let _ = status();
-            Response::builder()
-                .header(
-                    header::CONTENT_TYPE,
-                    "text/plain; version=0.0.4; charset=utf-8",
-                )
-                .body(Full::new(Bytes::from(metrics.render())))
-                .unwrap_or_default()
+            text(metrics.render())
         }
         "/status" => Response::builder()
             .header(header::CONTENT_TYPE, "application/json")
@@ -92,6 +104,17 @@ fn respond(
             "not found: try /metrics or /status\n",
         ),
     }
+}
+
+/// Prometheus text.
+fn text(body: String) -> Response<Full<Bytes>> {
+    Response::builder()
+        .header(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )
+        .body(Full::new(Bytes::from(body)))
+        .unwrap_or_default()
 }
 
 /// 401: the token is missing or wrong (the same answer for both, and nothing else said).

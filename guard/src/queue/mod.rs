@@ -478,6 +478,11 @@ impl Scheduler {
         self.dispatch(&mut state);
     }
 
+    /// Whether it turns every request away (guard is stopping).
+    pub fn is_shutting_down(&self) -> bool {
+        self.lock().shutting_down
+    }
+
     /// Requests waiting and running, over all classes.
     pub fn load(&self) -> (usize, usize) {
         let state = self.lock();

@@ -72,6 +72,9 @@ pub struct UpstreamState {
     pub busy: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deferred: Option<f64>,
+    /// llama-server: its KV cache's usage, 0..1, where its `/metrics` says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_usage: Option<f64>,
     /// llama-server: its slots (requests it works on at once), where `/slots` answers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slots: Option<usize>,
@@ -221,36 +224,39 @@ impl UpstreamWatcher {
 
     async fn sample_llama(&mut self, remote_models: &RemoteModels) -> UpstreamState {
         // The models it serves: only these may name a metric label.
-        if let Some(models) = self
+        let models = self
             .json::<openai::Models>(Method::GET, "/v1/models", None)
-            .await
-        {
-            for model in &models.data {
-                if !remote_models.known(&model.id) {
-                    remote_models.set(&model.id, false);
-                }
-                self.saw(&model.id, remote_models);
+            .await;
+        for model in models.iter().flat_map(|models| &models.data) {
+            if !remote_models.known(&model.id) {
+                remote_models.set(&model.id, false);
             }
+            self.saw(&model.id, remote_models);
         }
+        // Its load, where it serves /metrics (llama-server's `--metrics`).
         let load = self
             .text(Method::GET, "/metrics", None)
             .await
             .and_then(|text| llama::Load::parse(&text));
-        let Some(load) = load else {
+        // Up when it answers either: a server without `--metrics` is still serving.
+        if models.is_none() && load.is_none() {
             self.up.set(0);
             return UpstreamState::down();
-        };
+        }
         self.up.set(1);
-        self.busy.set(load.processing as i64);
-        self.deferred.set(load.deferred as i64);
+        if let Some(load) = load {
+            self.busy.set(load.processing as i64);
+            self.deferred.set(load.deferred as i64);
+        }
         let slots = self
             .json::<Vec<llama::Slot>>(Method::GET, "/slots", None)
             .await
             .map(|slots| slots.len());
         UpstreamState {
             up: true,
-            busy: Some(load.processing),
-            deferred: Some(load.deferred),
+            busy: load.map(|l| l.processing),
+            deferred: load.map(|l| l.deferred),
+            kv_usage: load.and_then(|l| l.kv_usage),
             slots,
             ..UpstreamState::default()
         }

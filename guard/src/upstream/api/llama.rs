@@ -32,22 +32,25 @@ pub struct Timings {
 pub struct Load {
     pub processing: f64,
     pub deferred: f64,
+    /// Its KV cache's usage, 0..1, where it reports it.
+    pub kv_usage: Option<f64>,
 }
 
 impl Load {
     /// From the Prometheus text of `/metrics`; absent samples read as 0.
     pub fn parse(text: &str) -> Option<Self> {
         let (_, families) = nom_openmetrics::parser::prometheus(text).ok()?;
-        let value = |name: &str| {
+        let find = |name: &str| {
             families
                 .iter()
                 .flat_map(|family| family.samples.iter())
                 .find(|sample| sample.name() == name)
-                .map_or(0.0, |sample| sample.number())
+                .map(|sample| sample.number())
         };
         Some(Self {
-            processing: value("llamacpp:requests_processing"),
-            deferred: value("llamacpp:requests_deferred"),
+            processing: find("llamacpp:requests_processing").unwrap_or(0.0),
+            deferred: find("llamacpp:requests_deferred").unwrap_or(0.0),
+            kv_usage: find("llamacpp:kv_cache_usage_ratio"),
         })
     }
 }
@@ -78,8 +81,13 @@ mod tests {
             Load::parse(text),
             Some(Load {
                 processing: 1.0,
-                deferred: 3.0
+                deferred: 3.0,
+                kv_usage: None,
             })
         );
+        let with_kv = format!(
+            "{text}# TYPE llamacpp:kv_cache_usage_ratio gauge\nllamacpp:kv_cache_usage_ratio 0.25\n"
+        );
+        assert_eq!(Load::parse(&with_kv).and_then(|l| l.kv_usage), Some(0.25));
     }
 }
