@@ -88,7 +88,7 @@ struct Rule {
     uid: Option<u32>,
     unit: Option<String>,
     exe: Option<GlobMatcher>,
-    header: Option<(HeaderName, String)>,
+    header: Option<(HeaderName, GlobMatcher)>,
     /// It has a matcher on the client's process (looked up only then).
     reads_process: bool,
 }
@@ -122,7 +122,8 @@ impl Classifier {
                 exe: glob(&rule.exe),
                 reads_process: rule.reads_process(),
                 header: rule.header.as_ref().and_then(|h| {
-                    Some((HeaderName::try_from(h.name.as_str()).ok()?, h.value.clone()))
+                    let name = HeaderName::try_from(h.name.as_str()).ok()?;
+                    Some((name, glob(&Some(h.value.clone()))?))
                 }),
             })
             .collect();
@@ -264,11 +265,14 @@ impl Rule {
         {
             return false;
         }
+        // Every value of the header is tried; one that is not UTF-8 matches nothing.
         if let Some((name, value)) = &self.header
-            && facts
+            && !facts
                 .headers
-                .get(name)
-                .is_none_or(|v| v.as_bytes() != value.as_bytes())
+                .get_all(name)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .any(|v| value.is_match(v))
         {
             return false;
         }
@@ -520,6 +524,27 @@ mod tests {
             by(header::AUTHORIZATION, "Bearer nightlyx"),
             DecidedBy::Rule(5)
         );
+    }
+
+    #[test]
+    fn a_header_rule_matches_its_value_as_a_glob_on_any_of_its_values() {
+        let c = classifier(
+            "[[classify.rule]]\nclass = \"batch\"\n\
+             header = { name = \"x-llm-d-inference-fairness-id\", value = \"tenant-*\" }\n",
+        );
+        let by = |values: &[&str]| {
+            let mut headers = HeaderMap::new();
+            for value in values {
+                headers.append("x-llm-d-inference-fairness-id", value.parse().expect("v"));
+            }
+            c.classify(&facts("/", &headers, None, NO_PEER))
+                .expect("ok")
+                .by
+        };
+        assert_eq!(by(&["tenant-42"]), DecidedBy::Rule(1));
+        assert_eq!(by(&["other", "tenant-7"]), DecidedBy::Rule(1));
+        assert_eq!(by(&["other-42"]), DecidedBy::Default);
+        assert_eq!(by(&[]), DecidedBy::Default);
     }
 
     fn peer(uid: u32, cgroup: &str, exe: &str) -> Option<Arc<Peer>> {

@@ -434,6 +434,15 @@ impl StatusSources {
             Metrics::mirror(&self.metrics.ebpf_ring_drops_total, tracker.ring_drops());
         }
         let config = &self.config;
+        let cluster = self.cluster();
+        // The same view under guard's own names, for an engine config that maps them.
+        self.metrics
+            .cluster_waiting
+            .set(i64::try_from(cluster.waiting).unwrap_or(i64::MAX));
+        self.metrics
+            .cluster_running
+            .set(i64::try_from(cluster.running).unwrap_or(i64::MAX));
+        self.metrics.cluster_usage.set(cluster.usage);
         Status {
             version: env!("CARGO_PKG_VERSION").to_owned(),
             uptime_seconds: self.started.elapsed().as_secs(),
@@ -463,7 +472,7 @@ impl StatusSources {
                     .throttled(),
             },
             watch: self.watched.status(),
-            cluster: self.cluster(),
+            cluster,
         }
     }
 

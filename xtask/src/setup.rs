@@ -44,7 +44,13 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// What the tests and the demo need to find.
 pub struct Installed {
     pub llama: Llama,
+    /// `checkov` and `kubernetes-validate`, in a virtual environment of their own.
+    pub kube_tools: PathBuf,
 }
+
+/// The Kubernetes manifests' validators, kept apart from the system's Python: checkov pins
+/// versions of packages (botocore, boto3) that other tools there need at other versions.
+const KUBE_TOOLS: &[&str] = &["checkov==3.3.30", "kubernetes-validate==1.37.0"];
 
 /// Runs every step; fast when all is in place.
 pub fn all() -> Result<Installed> {
@@ -53,7 +59,8 @@ pub fn all() -> Result<Installed> {
     step("bpf-linker", bpf_linker)?;
     step("python clients", python_clients)?;
     let llama = step("llama-server and model", || llama::ensure(&cache_dir()))?;
-    Ok(Installed { llama })
+    let kube_tools = step("kubernetes validators", kube_tools)?;
+    Ok(Installed { llama, kube_tools })
 }
 
 /// Where downloads and builds are kept between runs, outside the clone.
@@ -172,6 +179,25 @@ fn python_clients() -> Result<()> {
     .context(
         "pip install failed; fix: check that python3 -m pip works and reaches the package index",
     )
+}
+
+/// A virtual environment with `KUBE_TOOLS`; returns its `bin`.
+fn kube_tools() -> Result<PathBuf> {
+    let venv = cache_dir().join("kube-tools");
+    let bin = venv.join("bin");
+    if ["checkov", "kubernetes-validate"]
+        .iter()
+        .all(|tool| bin.join(tool).exists())
+    {
+        return Ok(bin);
+    }
+    run(Command::new("python3").args(["-m", "venv"]).arg(&venv))
+        .context("fix: apt-get install python3-venv")?;
+    run(Command::new(bin.join("pip"))
+        .args(["install", "-q", "--disable-pip-version-check"])
+        .args(KUBE_TOOLS))
+    .context("pip install of the Kubernetes validators failed; fix: check that pip reaches the package index")?;
+    Ok(bin)
 }
 
 /// Runs a command with its output shown; fails on a non-zero exit.

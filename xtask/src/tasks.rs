@@ -122,7 +122,8 @@ pub fn bench(which: Bench, parts: &[String]) -> Result<()> {
 fn export(command: &mut Command, installed: &Installed) {
     command
         .env("GUARD_LLAMA_SERVER", &installed.llama.server)
-        .env("GUARD_LLAMA_MODEL", &installed.llama.model);
+        .env("GUARD_LLAMA_MODEL", &installed.llama.model)
+        .env("GUARD_KUBE_TOOLS", &installed.kube_tools);
 }
 
 /// The release binary, by absolute path: benchmarks run from their package's directory.

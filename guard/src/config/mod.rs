@@ -451,7 +451,8 @@ impl Serialize for Preemptible {
     }
 }
 
-/// A header a rule matches: `header = { name = "x-team", value = "nightly" }`.
+/// A header a rule matches: `header = { name = "x-team", value = "nightly-*" }` (the value a
+/// glob: `*`, `?`, `[...]`, `{a,b}`; a value without them matches exactly).
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct HeaderRule {

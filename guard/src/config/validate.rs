@@ -447,10 +447,12 @@ impl RuleConfig {
                 "an empty token would match any client",
             ));
         }
+        let header_value = self.header.as_ref().map(|h| h.value.clone());
         for (field, glob) in [
             ("model", &self.model),
             ("user_agent", &self.user_agent),
             ("exe", &self.exe),
+            ("header.value", &header_value),
         ] {
             if let Some(glob) = glob {
                 globset::Glob::new(glob).map_err(|err| Invalid::new(field, err.to_string()))?;

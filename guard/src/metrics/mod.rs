@@ -43,6 +43,10 @@ pub struct Metrics {
     pub timed_out_total: IntCounterVec,
     pub failed_total: IntCounterVec,
     pub ebpf_attached: IntGauge,
+    /// What the balancers are told (docs/design.md §11), as one series each.
+    pub cluster_waiting: IntGauge,
+    pub cluster_running: IntGauge,
+    pub cluster_usage: prometheus::Gauge,
     pub ebpf_events_total: IntCounter,
     pub ebpf_ring_drops_total: IntCounter,
     pub passthrough_requests_total: IntCounterVec,
@@ -139,6 +143,21 @@ impl Metrics {
             ebpf_attached: IntGauge::new(
                 "guard_ebpf_attached",
                 "1 while guard's eBPF program is attached to sock/inet_sock_set_state.",
+            )
+            .expect("valid gauge"),
+            cluster_waiting: IntGauge::new(
+                "guard_cluster_waiting_requests",
+                "Requests waiting on this box: in guard's class queues and the server's own queue (the llm-d router's queued requests).",
+            )
+            .expect("valid gauge"),
+            cluster_running: IntGauge::new(
+                "guard_cluster_running_requests",
+                "Requests running at the server (the llm-d router's running requests).",
+            )
+            .expect("valid gauge"),
+            cluster_usage: prometheus::Gauge::new(
+                "guard_cluster_usage_ratio",
+                "The server's KV-cache usage (0..1) where it reports it, else guard's saturation (the llm-d router's KV usage).",
             )
             .expect("valid gauge"),
             ebpf_events_total: IntCounter::new(
@@ -287,6 +306,9 @@ impl Metrics {
             Box::new(self.timed_out_total.clone()),
             Box::new(self.failed_total.clone()),
             Box::new(self.ebpf_attached.clone()),
+            Box::new(self.cluster_waiting.clone()),
+            Box::new(self.cluster_running.clone()),
+            Box::new(self.cluster_usage.clone()),
             Box::new(self.ebpf_events_total.clone()),
             Box::new(self.ebpf_ring_drops_total.clone()),
             Box::new(self.passthrough_requests_total.clone()),
