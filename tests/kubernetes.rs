@@ -19,15 +19,14 @@ fn manifests() -> PathBuf {
 
 /// Where setup put the validators (`cargo xtask test` says).
 fn tool(name: &str) -> PathBuf {
-    let bin = std::env::var_os("GUARD_KUBE_TOOLS").map_or_else(
-        || guard_tests_cache().join("kube-tools/bin"),
-        PathBuf::from,
-    );
+    let bin = std::env::var_os("GUARD_KUBE_TOOLS")
+        .map_or_else(|| guard_tests_cache().join("kube-tools/bin"), PathBuf::from);
     bin.join(name)
 }
 
 fn guard_tests_cache() -> PathBuf {
-    PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/root".to_owned())).join(".cache/guard-dev")
+    PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/root".to_owned()))
+        .join(".cache/guard-dev")
 }
 
 fn run(command: &mut Command) -> (bool, String) {
@@ -52,7 +51,8 @@ fn the_core_manifests_pass_kubernetes_validate() {
     assert!(ok, "{text}");
     for kind in ["namespace", "configmap", "daemonset", "service"] {
         assert!(
-            text.lines().any(|l| l.contains(&format!("passed for resource {kind}/"))),
+            text.lines()
+                .any(|l| l.contains(&format!("passed for resource {kind}/"))),
             "{kind} not validated: {text}"
         );
     }
@@ -61,18 +61,25 @@ fn the_core_manifests_pass_kubernetes_validate() {
 #[test]
 fn checkov_fails_only_checks_the_readme_explains() {
     let (_, text) = run(Command::new(tool("checkov"))
-        .args(["--skip-download", "--framework", "kubernetes", "--output", "json", "--quiet", "-d"])
+        .args([
+            "--skip-download",
+            "--framework",
+            "kubernetes",
+            "--output",
+            "json",
+            "--quiet",
+            "-d",
+        ])
         .arg(manifests())
         // Nothing leaves the machine: no telemetry, no download of policies.
         .env("BC_SKIP_MAPPING", "TRUE")
         .env("CHECKOV_RUN_SCA_PACKAGE_SCAN_V2", "false"));
     let json_start = text.find('{').expect("checkov's report");
-    let report: serde_json::Value =
-        serde_json::Deserializer::from_str(&text[json_start..])
-            .into_iter()
-            .next()
-            .expect("a JSON report")
-            .expect("JSON");
+    let report: serde_json::Value = serde_json::Deserializer::from_str(&text[json_start..])
+        .into_iter()
+        .next()
+        .expect("a JSON report")
+        .expect("JSON");
     let failed: Vec<String> = report["results"]["failed_checks"]
         .as_array()
         .unwrap_or_else(|| panic!("no failed_checks in {report}"))
@@ -87,7 +94,10 @@ fn checkov_fails_only_checks_the_readme_explains() {
         .nth(1)
         .expect("the README's Many boxes section");
     for id in &failed {
-        assert!(section.contains(id.as_str()), "{id} fails and the README does not explain it");
+        assert!(
+            section.contains(id.as_str()),
+            "{id} fails and the README does not explain it"
+        );
     }
     println!("checkov: {passed} passed, failed (each explained): {failed:?}");
 }

@@ -485,6 +485,7 @@ impl StatusSources {
             capacity: self.config.upstream.max_concurrency,
             served: self.config.cluster.agent_classes.as_deref(),
             at_risk: !self.risk.signals().is_empty(),
+            protect_priority: self.config.risk.protect_priority,
             shutting_down: self.scheduler.is_shutting_down(),
             upstream_up: upstream.as_ref().map(|u| u.up),
             upstream_waiting: upstream.as_ref().and_then(|u| u.deferred),

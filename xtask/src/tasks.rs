@@ -15,6 +15,9 @@ pub enum Bench {
     /// clients, NDJSON frame relay, 1 GiB up and down; full-class answer time; TTFT under a
     /// batch flood.
     Proxy,
+    /// Four guards behind HAProxy under interactive and batch load: agent-check against round
+    /// robin (503s, interactive TTFT p95, batch jobs done).
+    Fleet,
     /// Enqueue + dispatch cost and bytes per waiter from 10 to 100,000 waiting; RSS of 10,000
     /// idle keep-alive connections and of 10,000 waiting requests.
     Scale,
@@ -40,6 +43,7 @@ impl Bench {
             Self::Ebpf => "ebpf",
             Self::Proxy => "proxy",
             Self::Scale => "scale",
+            Self::Fleet => "fleet",
             Self::Reap => "reap",
             Self::Footprint => "footprint",
             Self::Protect => "protect",

@@ -19,6 +19,8 @@ pub struct Inputs<'a> {
     pub served: Option<&'a [String]>,
     /// The risk detector sees a protected class at risk.
     pub at_risk: bool,
+    /// Classes with a priority value at or below this are protected (`risk.protect_priority`).
+    pub protect_priority: i32,
     pub shutting_down: bool,
     /// The watcher's last word on the upstream; None before its first.
     pub upstream_up: Option<bool>,
@@ -50,9 +52,10 @@ impl Inputs<'_> {
     }
 
     /// HAProxy's agent protocol: `maint` while guard stops, `down #reason` while the upstream
-    /// cannot be reached, `drain` while a protected class is at risk or a served class's queue
-    /// is full, else `up ready weight:N%` with N the served classes' free room (slots and queue
-    /// places) as a share of all of it.
+    /// cannot be reached, `drain` while a protected class is at risk or a served protected
+    /// class's queue is full, else `up ready weight:N%` with N the least free room of a served
+    /// class (free slots and queue places, as a share of its slots and places; at least 1). A
+    /// full batch queue only lowers the weight: the box still has room for urgent work.
     pub fn agent_line(&self) -> String {
         if self.shutting_down {
             return "maint".to_owned();
@@ -60,20 +63,28 @@ impl Inputs<'_> {
         if self.upstream_up == Some(false) {
             return "down #upstream unreachable".to_owned();
         }
-        let full = self.served().any(|c| c.queued >= c.max_queue);
+        let full = self
+            .served()
+            .any(|c| c.priority <= self.protect_priority && c.queued >= c.max_queue);
         if self.at_risk || full {
             return "drain".to_owned();
         }
+        // Each served class's free room (free slots and free places in its queue) as a share
+        // of all its room; the weight is the least of them: HAProxy cannot tell the classes
+        // apart, so a box with one class nearly full gets little of any.
         let capacity = u64::from(self.capacity);
         let running: u64 = self.classes.iter().map(|c| c.running as u64).sum();
-        let (room, free) = self.served().fold(
-            (capacity, capacity.saturating_sub(running)),
-            |(room, free), c| {
+        let free_slots = capacity.saturating_sub(running);
+        let percent = self
+            .served()
+            .map(|c| {
                 let places = c.max_queue as u64;
-                (room + places, free + places.saturating_sub(c.queued as u64))
-            },
-        );
-        let percent = (free * 100).checked_div(room).unwrap_or(0).clamp(1, 100);
+                let free = free_slots + places.saturating_sub(c.queued as u64);
+                (free * 100).checked_div(capacity + places).unwrap_or(0)
+            })
+            .min()
+            .unwrap_or(100)
+            .clamp(1, 100);
         format!("up ready weight:{percent}%")
     }
 
@@ -98,7 +109,7 @@ mod tests {
     fn class(name: &str, max_queue: usize, queued: usize, running: usize) -> ClassSnapshot {
         ClassSnapshot {
             name: name.to_owned(),
-            priority: 0,
+            priority: if name == "batch" { 10 } else { 0 },
             max_queue,
             deadline_ms: None,
             queued,
@@ -116,6 +127,7 @@ mod tests {
             capacity: 2,
             served: None,
             at_risk: false,
+            protect_priority: 0,
             shutting_down: false,
             upstream_up: Some(true),
             upstream_waiting: None,
@@ -127,9 +139,9 @@ mod tests {
     fn the_agent_says_how_much_room_is_left_and_when_to_stay_away() {
         let idle = [class("interactive", 8, 0, 0), class("batch", 10, 0, 0)];
         assert_eq!(inputs(&idle).agent_line(), "up ready weight:100%");
-        // Two slots busy, 5 of 18 places taken: 13 of 20 free.
+        // Two slots busy; interactive 6 of 10 free, batch 7 of 12: the least.
         let busy = [class("interactive", 8, 2, 1), class("batch", 10, 3, 1)];
-        assert_eq!(inputs(&busy).agent_line(), "up ready weight:65%");
+        assert_eq!(inputs(&busy).agent_line(), "up ready weight:58%");
         let full = [class("interactive", 8, 8, 1), class("batch", 10, 0, 1)];
         assert_eq!(inputs(&full).agent_line(), "drain");
         // A full class the frontend does not serve does not drain the box.
