@@ -103,6 +103,12 @@ async fn haproxy_sees(stats: SocketAddr, server: &str) -> (String, String) {
         .unwrap_or_default()
 }
 
+/// One request that completes at once, sent through the balancer; its status.
+async fn through(front: SocketAddr) -> u16 {
+    let play = Play::new("complete").json();
+    post(front, "/v1/chat/completions", &[], &play).await.status
+}
+
 async fn wait_until(what: &str, mut done: impl AsyncFnMut() -> bool) {
     let started = Instant::now();
     while !done().await {
@@ -137,14 +143,7 @@ async fn fifty_with_a_full(agent_check: bool) -> (Vec<u16>, usize, usize, Fleet)
     let (a_before, b_before) = (fleet.a.served(), fleet.b.served());
     let mut statuses = Vec::new();
     for _ in 0..50 {
-        let response = post(
-            fleet.haproxy.addr,
-            "/v1/chat/completions",
-            &[],
-            &Play::new("complete").json(),
-        )
-        .await;
-        statuses.push(response.status);
+        statuses.push(through(fleet.haproxy.addr).await);
     }
     let (a, b) = (fleet.a.served() - a_before, fleet.b.served() - b_before);
     (
@@ -211,14 +210,7 @@ async fn haproxy_keeps_work_away_from_a_full_box_and_comes_back_when_it_clears()
     .await;
     let before = fleet.a.served();
     while fleet.a.served() == before {
-        let response = post(
-            fleet.haproxy.addr,
-            "/v1/chat/completions",
-            &[],
-            &Play::new("complete").json(),
-        )
-        .await;
-        assert_eq!(response.status, 200);
+        assert_eq!(through(fleet.haproxy.addr).await, 200);
         assert!(
             cleared.elapsed() < SEEN_BOUND,
             "HAProxy never came back to box A"
@@ -289,14 +281,7 @@ async fn a_box_whose_protected_class_is_at_risk_drains() {
     .await;
     let before = fleet_a.served();
     for _ in 0..10 {
-        let response = post(
-            haproxy.addr,
-            "/v1/chat/completions",
-            &[],
-            &Play::new("complete").json(),
-        )
-        .await;
-        assert_eq!(response.status, 200);
+        assert_eq!(through(haproxy.addr).await, 200);
     }
     assert_eq!(
         fleet_a.served(),
