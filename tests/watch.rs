@@ -477,3 +477,39 @@ async fn a_real_prometheus_scrapes_guard() {
         "the alert rules loaded"
     );
 }
+
+/// llama-server resets its throughput gauges on every GET of `/metrics`: guard watching it by
+/// default must leave them to the user's own scraper. With `watch.upstream_metrics` (the old
+/// behaviour) guard's reads take them first, which shows the check can fail.
+#[tokio::test(flavor = "multi_thread")]
+async fn watching_leaves_llama_servers_own_metrics_as_they_are() {
+    let _serial = serial().await;
+    let llama = LlamaServer::start(1).await;
+    for reads_metrics in [false, true] {
+        let guard = GuardProcess::start(
+            llama.addr,
+            "openai",
+            &format!(
+                "[class.interactive]\nmax_queue = 8\n[watch]\ninterval_ms = 100\nupstream_metrics = {reads_metrics}\n"
+            ),
+        );
+        let body = json!({ "prompt": "Say hello to the world.", "n_predict": 8 });
+        let answer = post(guard.listen, "/completion", &[], &body).await;
+        assert_eq!(answer.status, 200, "{}", answer.text());
+        // Five watcher ticks: the window in which guard's own reads would reset the gauge.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let text = get(llama.addr, "/metrics").await.expect("metrics").text();
+        let rate = guard_tests::metric(&text, "llamacpp:prompt_tokens_seconds").unwrap_or(0.0);
+        if reads_metrics {
+            assert_eq!(rate, 0.0, "guard's reads reset it first:\n{text}");
+        } else {
+            assert!(
+                rate > 0.0,
+                "the user's scraper reads the throughput:\n{text}"
+            );
+        }
+        let status = get(guard.metrics, "/status").await.expect("status").json();
+        assert_eq!(status["watch"]["upstream"]["up"], true, "{status}");
+        assert_eq!(status["watch"]["upstream"]["slots"], 1, "{status}");
+    }
+}

@@ -150,6 +150,9 @@ pub struct WatchConfig {
     pub upstream_pid: u32,
     /// A model load (Ollama's load_duration) longer than this counts as a cold load.
     pub cold_load_ms: u64,
+    /// Read llama-server's `/metrics` each tick (its own queue and KV usage). Off by default:
+    /// each read resets llama-server's throughput gauges for every other scraper.
+    pub upstream_metrics: bool,
 }
 
 impl Default for WatchConfig {
@@ -158,6 +161,7 @@ impl Default for WatchConfig {
             interval_ms: 1_000,
             upstream_pid: 0,
             cold_load_ms: 1_000,
+            upstream_metrics: false,
         }
     }
 }

@@ -111,6 +111,8 @@ impl From<&ollama::Running> for LoadedModel {
 pub struct UpstreamWatcher {
     upstream: Client,
     api: Api,
+    /// Read llama-server's `/metrics` too (`watch.upstream_metrics`).
+    read_metrics: bool,
     up: IntGauge,
     offload: GaugeVec,
     remote: GaugeVec,
@@ -135,6 +137,7 @@ impl UpstreamWatcher {
         Self {
             upstream,
             api: config.upstream.api,
+            read_metrics: config.watch.upstream_metrics,
             up: gauge(
                 "guard_upstream_up",
                 "1 while the upstream answers its status endpoint.",
@@ -233,31 +236,41 @@ impl UpstreamWatcher {
             }
             self.saw(&model.id, remote_models);
         }
-        // Its load, where it serves /metrics (llama-server's `--metrics`).
-        let load = self
-            .text(Method::GET, "/metrics", None)
-            .await
-            .and_then(|text| llama::Load::parse(&text));
-        // Up when it answers either: a server without `--metrics` is still serving.
-        if models.is_none() && load.is_none() {
+        // Its slots, busy or not: reading them changes nothing at the server.
+        let slots = self
+            .json::<Vec<llama::Slot>>(Method::GET, "/slots", None)
+            .await;
+        // Its own queue and KV usage are only in /metrics, and every GET of that resets
+        // llama-server's throughput gauges for every other scraper: read only where asked.
+        let load = match self.read_metrics {
+            true => self
+                .text(Method::GET, "/metrics", None)
+                .await
+                .and_then(|text| llama::Load::parse(&text)),
+            false => None,
+        };
+        // Up when it answers any of them: a server without `--metrics` or `--slots` serves.
+        if models.is_none() && slots.is_none() && load.is_none() {
             self.up.set(0);
             return UpstreamState::down();
         }
         self.up.set(1);
+        let busy = load.map(|l| l.processing).or_else(|| {
+            let processing = slots.iter().flatten().filter(|s| s.is_processing).count();
+            slots.as_ref().map(|_| processing as f64)
+        });
+        if let Some(busy) = busy {
+            self.busy.set(busy as i64);
+        }
         if let Some(load) = load {
-            self.busy.set(load.processing as i64);
             self.deferred.set(load.deferred as i64);
         }
-        let slots = self
-            .json::<Vec<llama::Slot>>(Method::GET, "/slots", None)
-            .await
-            .map(|slots| slots.len());
         UpstreamState {
             up: true,
-            busy: load.map(|l| l.processing),
+            busy,
             deferred: load.map(|l| l.deferred),
             kv_usage: load.and_then(|l| l.kv_usage),
-            slots,
+            slots: slots.map(|slots| slots.len()),
             ..UpstreamState::default()
         }
     }
