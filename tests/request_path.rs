@@ -619,3 +619,86 @@ async fn two_thousand_waiting_clients_keep_memory_bounded() {
         "{queued} reaped while queued"
     );
 }
+
+/// An upstream that spells its header names its own way: `X-custom-SPELLING` (which Title-Case would not make) on a stream for
+/// POSTs and on a small JSON answer for GETs; one request per connection.
+async fn spelling_upstream() -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf).await {
+                        Ok(n @ 1..) => head.extend_from_slice(&buf[..n]),
+                        _ => return,
+                    }
+                }
+                let answer = if head.starts_with(b"POST") {
+                    let event = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";
+                    let done = "data: [DONE]\n\n";
+                    format!(
+                        "HTTP/1.1 200 OK\r\nX-custom-SPELLING: Kept\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n{:x}\r\n{event}\r\n{:x}\r\n{done}\r\n0\r\n\r\n",
+                        event.len(),
+                        done.len()
+                    )
+                } else {
+                    "HTTP/1.1 200 OK\r\nX-custom-SPELLING: Kept\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}".to_owned()
+                };
+                let _ = stream.write_all(answer.as_bytes()).await;
+            });
+        }
+    });
+    addr
+}
+
+/// The response head guard sends for `request`, as bytes on the wire.
+async fn raw_head(addr: std::net::SocketAddr, request: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(request.as_bytes()).await.expect("send");
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.expect("read");
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    text.split("\r\n\r\n").next().unwrap_or_default().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn header_names_reach_the_client_as_the_upstream_spelled_them() {
+    let upstream = spelling_upstream().await;
+    let guard = GuardProcess::start(upstream, "openai", "");
+    let body = r#"{"messages":[{"role":"user","content":"hi"}],"stream":true}"#;
+    let queued = raw_head(
+        guard.listen,
+        &format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        ),
+    )
+    .await;
+    assert!(queued.starts_with("HTTP/1.1 200"), "{queued}");
+    assert!(
+        queued.contains("\r\nX-custom-SPELLING: Kept"),
+        "queued stream:\n{queued}"
+    );
+    // guard's own header in the spelling the ecosystem uses.
+    assert!(
+        queued.contains("\r\nX-Guard-Class: interactive"),
+        "{queued}"
+    );
+    let passed = raw_head(
+        guard.listen,
+        "GET /props HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(passed.starts_with("HTTP/1.1 200"), "{passed}");
+    assert!(
+        passed.contains("\r\nX-custom-SPELLING: Kept"),
+        "pass-through:\n{passed}"
+    );
+}

@@ -176,6 +176,10 @@ where
         .max_buf_size(READ_BUFFER)
         .max_header_size(READ_BUFFER)
         .keep_alive(true)
+        // The upstream's header names go out as it spelled them (the spelling rides in the
+        // response); guard's own, and any without one, in the Title-Case the ecosystem uses
+        // (`Retry-After`, `X-Guard-Class`).
+        .title_case_headers(true)
         // hyper, too, ends a connection whose client half-closed with a request pending,
         // unless told that clients may half-close on purpose.
         .half_close(!half_close)

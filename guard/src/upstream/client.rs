@@ -43,6 +43,8 @@ impl Client {
         // Pass-through requests are at most `max_passthrough` at once: so are the connections
         // kept for them.
         let pool = Pool::builder(TokioExecutor::new())
+            // Answers keep the header spelling the upstream chose.
+            .http1_preserve_header_case(true)
             .pool_idle_timeout(Duration::from_secs(30))
             .pool_max_idle_per_host(config.max_passthrough as usize)
             .build(connector);

@@ -192,7 +192,11 @@ impl Exchange {
             Some(idle) => (idle.sender, idle.connection),
             None => {
                 let io = connect(&connector.dial).await?;
-                let (sender, connection) = http1::handshake(TokioIo::new(io))
+                // The answer's header names reach the client as the upstream spelled them
+                // (hyper carries the spelling in the response's extensions).
+                let (sender, connection) = http1::Builder::new()
+                    .preserve_header_case(true)
+                    .handshake(TokioIo::new(io))
                     .await
                     .map_err(ExchangeError::Http)?;
                 (sender, Box::pin(connection))
