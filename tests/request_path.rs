@@ -347,31 +347,6 @@ async fn bad_input_is_answered_and_never_forwarded() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_body_guard_cannot_read_goes_to_the_upstream_which_answers_it() {
-    // Not JSON: guard classifies it without a model and forwards it; llama-server gives its
-    // own answer, as it would straight (docs/design.md §6).
-    let _serial = serial().await;
-    let llama = LlamaServer::start(1).await;
-    let guard = GuardProcess::start(llama.addr, "openai", "[server]\n");
-    let body = bytes::Bytes::from_static(b"{\"messages\": [");
-    let straight = http::send(
-        llama.addr,
-        "POST",
-        "/v1/chat/completions",
-        &[],
-        body.clone(),
-    )
-    .await
-    .expect("straight");
-    let through = http::send(guard.listen, "POST", "/v1/chat/completions", &[], body)
-        .await
-        .expect("through guard");
-    assert_eq!(through.status, straight.status, "{}", through.text());
-    assert_eq!(through.json()["error"], straight.json()["error"]);
-    assert_eq!(through.header("x-guard-class"), Some("interactive"));
-}
-
-#[tokio::test(flavor = "multi_thread")]
 async fn outcomes_reconcile_after_a_mixed_run() {
     let _serial = serial().await;
     let mut llama = LlamaServer::start(1).await;
@@ -701,4 +676,48 @@ async fn header_names_reach_the_client_as_the_upstream_spelled_them() {
         passed.contains("\r\nX-custom-SPELLING: Kept"),
         "pass-through:\n{passed}"
     );
+}
+
+/// A body guard cannot read (not JSON) is classified without a model, queued and forwarded:
+/// the client gets llama-server's own answer, its API-key check first, as it would straight
+/// (docs/design.md §6).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_body_guard_cannot_read_gets_the_upstreams_own_answer() {
+    let _serial = serial().await;
+    let llama = LlamaServer::start_with(1, &["--api-key", "sesame"]).await;
+    let guard = GuardProcess::start(llama.addr, "openai", "");
+    let not_json = bytes::Bytes::from_static(b"this is not JSON {");
+    let send = async |addr, key: Option<&str>| {
+        let auth = key.map(|k| format!("Bearer {k}"));
+        let mut headers = vec![("content-type", "application/json")];
+        if let Some(auth) = &auth {
+            headers.push(("authorization", auth.as_str()));
+        }
+        http::send(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            &headers,
+            not_json.clone(),
+        )
+        .await
+        .expect("an answer")
+    };
+    for (key, expected) in [(None, 401), (Some("sesame"), 0)] {
+        let straight = send(llama.addr, key).await;
+        let through = send(guard.listen, key).await;
+        if expected != 0 {
+            assert_eq!(straight.status, expected, "{}", straight.text());
+        }
+        assert_eq!(
+            (through.status, through.text()),
+            (straight.status, straight.text()),
+            "key {key:?}: through guard as straight"
+        );
+        assert_eq!(through.header("x-guard-class"), Some("interactive"));
+    }
+    let admitted = guard
+        .metric("guard_admitted_total{class=\"interactive\"}")
+        .await;
+    assert_eq!(admitted, 2.0, "both were queued");
 }

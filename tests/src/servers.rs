@@ -46,6 +46,11 @@ pub struct LlamaServer {
 impl LlamaServer {
     /// Starts one with `slots` parallel slots and waits for /health.
     pub async fn start(slots: usize) -> Self {
+        Self::start_with(slots, &[]).await
+    }
+
+    /// The same, with more of llama-server's own arguments.
+    pub async fn start_with(slots: usize, extra: &[&str]) -> Self {
         let server = env_path("GUARD_LLAMA_SERVER");
         let model = env_path("GUARD_LLAMA_MODEL");
         let addr = free_addr();
@@ -60,6 +65,7 @@ impl LlamaServer {
                 "-c",
                 &(2048 * slots).to_string(),
             ])
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
