@@ -314,6 +314,10 @@ async fn the_model_server_view_counts_what_waits_and_runs() {
     let mut held = Vec::new();
     for n in 1..=4u32 {
         held.push(a.hold().await);
+        // The first runs, the others wait: both counts settled before the view is read.
+        a.guard
+            .wait_for_metric("guard_inflight{class=\"interactive\"}", 1.0)
+            .await;
         a.guard
             .wait_for_metric("guard_queue_depth{class=\"interactive\"}", f64::from(n - 1))
             .await;
