@@ -595,41 +595,24 @@ async fn two_thousand_waiting_clients_keep_memory_bounded() {
     );
 }
 
-/// An upstream that spells its header names its own way: `X-custom-SPELLING` (which Title-Case would not make) on a stream for
-/// POSTs and on a small JSON answer for GETs; one request per connection.
+/// An upstream that spells a header name its own way, `X-custom-SPELLING` (which Title-Case
+/// would not make): on a stream for POSTs, on a small JSON answer for GETs.
 async fn spelling_upstream() -> std::net::SocketAddr {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 4096];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match stream.read(&mut buf).await {
-                        Ok(n @ 1..) => head.extend_from_slice(&buf[..n]),
-                        _ => return,
-                    }
-                }
-                let answer = if head.starts_with(b"POST") {
-                    let event = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";
-                    let done = "data: [DONE]\n\n";
-                    format!(
-                        "HTTP/1.1 200 OK\r\nX-custom-SPELLING: Kept\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n{:x}\r\n{event}\r\n{:x}\r\n{done}\r\n0\r\n\r\n",
-                        event.len(),
-                        done.len()
-                    )
-                } else {
-                    "HTTP/1.1 200 OK\r\nX-custom-SPELLING: Kept\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}".to_owned()
-                };
-                let _ = stream.write_all(answer.as_bytes()).await;
-            });
-        }
-    });
-    addr
+    http::scripted_upstream(|head| {
+        let answer = if head.starts_with(b"POST") {
+            let event = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";
+            let done = "data: [DONE]\n\n";
+            format!(
+                "HTTP/1.1 200 OK\r\nX-custom-SPELLING: Kept\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n{:x}\r\n{event}\r\n{:x}\r\n{done}\r\n0\r\n\r\n",
+                event.len(),
+                done.len()
+            )
+        } else {
+            "HTTP/1.1 200 OK\r\nX-custom-SPELLING: Kept\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}".to_owned()
+        };
+        Some(answer.into_bytes())
+    })
+    .await
 }
 
 /// The response head guard sends for `request`, as bytes on the wire.

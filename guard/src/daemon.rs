@@ -434,7 +434,11 @@ impl StatusSources {
             Metrics::mirror(&self.metrics.ebpf_ring_drops_total, tracker.ring_drops());
         }
         let config = &self.config;
-        let cluster = self.cluster();
+        // Each owner read once: the cluster view is made of the same readings /status shows.
+        let classes = self.scheduler.snapshot();
+        let watch = self.watched.status();
+        let risk = self.risk.signals();
+        let cluster = self.cluster_of(&classes, &watch, &risk);
         // The same view under guard's own names, for an engine config that maps them.
         self.metrics
             .cluster_waiting
@@ -459,19 +463,19 @@ impl StatusSources {
                 events_total: self.metrics.ebpf_events_total.get(),
                 ring_drops_total: self.metrics.ebpf_ring_drops_total.get(),
             },
-            classes: self.scheduler.snapshot(),
+            classes,
             classified: self.tally.snapshot(),
             last_hour: self.throughput.last_hour(),
             capabilities: crate::privileges::held(),
             risk: RiskStatus {
-                signals: self.risk.signals(),
+                signals: risk,
                 throttled_classes: self
                     .throttler
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .throttled(),
             },
-            watch: self.watched.status(),
+            watch,
             cluster,
         }
     }
@@ -479,17 +483,27 @@ impl StatusSources {
     /// What the balancers are told now.
     fn cluster(&self) -> crate::cluster::ClusterView {
         let classes = self.scheduler.snapshot();
-        let upstream = self.watched.status().upstream;
+        self.cluster_of(&classes, &self.watched.status(), &self.risk.signals())
+    }
+
+    /// The view from readings already taken.
+    fn cluster_of(
+        &self,
+        classes: &[crate::queue::ClassSnapshot],
+        watch: &crate::watch::WatchStatus,
+        risk: &[crate::throttle::risk::Signal],
+    ) -> crate::cluster::ClusterView {
+        let upstream = watch.upstream.as_ref();
         crate::cluster::Inputs {
-            classes: &classes,
+            classes,
             capacity: self.config.upstream.max_concurrency,
             served: self.config.cluster.agent_classes.as_deref(),
-            at_risk: !self.risk.signals().is_empty(),
+            at_risk: !risk.is_empty(),
             protect_priority: self.config.risk.protect_priority,
             shutting_down: self.scheduler.is_shutting_down(),
-            upstream_up: upstream.as_ref().map(|u| u.up),
-            upstream_waiting: upstream.as_ref().and_then(|u| u.deferred),
-            upstream_kv_usage: upstream.as_ref().and_then(|u| u.kv_usage),
+            upstream_up: upstream.map(|u| u.up),
+            upstream_waiting: upstream.and_then(|u| u.deferred),
+            upstream_kv_usage: upstream.and_then(|u| u.kv_usage),
         }
         .view()
     }

@@ -53,14 +53,15 @@ fn main() {
     });
 }
 
-struct Result {
+/// What one mode measured.
+struct Run {
     batch_refused: u64,
     chat_refused: u64,
     chat_ttft_p95: Duration,
     batch_done: u64,
 }
 
-async fn run(agent: bool) -> Result {
+async fn run(agent: bool) -> Run {
     let mut boxes = Vec::new();
     for _ in 0..BOXES {
         let upstream = Counting::start().await;
@@ -127,7 +128,7 @@ async fn run(agent: bool) -> Result {
         ttfts.extend(task.await.expect("client"));
     }
     drop(haproxy);
-    Result {
+    Run {
         batch_refused: batch_refused.load(Ordering::Relaxed),
         chat_refused: chat_refused.load(Ordering::Relaxed),
         chat_ttft_p95: percentile(&ttfts, 0.95),

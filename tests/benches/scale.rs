@@ -22,7 +22,7 @@ use guard::{
     metrics::Metrics,
     queue::{Job, Permit, Scheduler, Ticket},
 };
-use guard_tests::servers::GuardProcess;
+use guard_tests::{rss_bytes, servers::GuardProcess};
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::TcpStream,
@@ -163,8 +163,7 @@ async fn leave_from_middle(depth: usize) -> Duration {
 
 /// Bytes held per waiting request: its ticket and its place in the line.
 async fn bytes_per_waiter(depth: usize) -> f64 {
-    let steady = Steady::new(0, 1).await;
-    let mut steady = steady;
+    let mut steady = Steady::new(0, 1).await;
     let before = LIVE.load(Ordering::Relaxed);
     steady.waiting.reserve(depth);
     let reserved = LIVE.load(Ordering::Relaxed);
@@ -213,43 +212,13 @@ async fn lines() {
 /// An upstream that answers a GET at once (`{}`) and never answers anything else: the one
 /// queued request dispatched holds the slot.
 async fn upstream() -> std::net::SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let mut head = Vec::new();
-                let mut buf = [0u8; 4096];
-                while let Ok(n @ 1..) = stream.read(&mut buf).await {
-                    head.extend_from_slice(&buf[..n]);
-                    while let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") {
-                        if !head.starts_with(b"GET ") {
-                            std::future::pending::<()>().await;
-                        }
-                        head.drain(..end + 4);
-                        let answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
-                        if stream.write_all(answer).await.is_err() {
-                            return;
-                        }
-                    }
-                }
-            });
-        }
-    });
-    addr
-}
-
-fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .expect("VmRSS");
-    kib * 1024
+    guard_tests::http::scripted_upstream(|head| {
+        head.starts_with(b"GET ").then(|| {
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+                .to_vec()
+        })
+    })
+    .await
 }
 
 async fn connections() {

@@ -250,3 +250,39 @@ pub async fn post_frames(
     drop((body, sender, connection));
     Ok(status)
 }
+
+/// A raw HTTP/1.1 upstream on loopback, for answers hyper would not write (a header's own
+/// spelling) or never writes (none at all): each request head on a connection gets
+/// `answer(head)` as bytes, or, for None, no answer ever (the connection is held).
+pub async fn scripted_upstream(
+    answer: impl Fn(&[u8]) -> Option<Vec<u8>> + Send + Sync + 'static,
+) -> SocketAddr {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let answer = std::sync::Arc::new(answer);
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let answer = std::sync::Arc::clone(&answer);
+            tokio::spawn(async move {
+                let (mut head, mut buf) = (Vec::new(), [0u8; 4096]);
+                while let Ok(n @ 1..) = stream.read(&mut buf).await {
+                    head.extend_from_slice(&buf[..n]);
+                    while let Some(end) = head.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let Some(bytes) = answer(&head[..end]) else {
+                            std::future::pending::<()>().await;
+                            return;
+                        };
+                        head.drain(..end + 4);
+                        if stream.write_all(&bytes).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    addr
+}

@@ -5,7 +5,6 @@
 
 use std::{
     net::SocketAddr,
-    path::Path,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
@@ -22,7 +21,8 @@ const READY_BOUND: Duration = Duration::from_secs(20);
 pub struct Peer {
     pub addr: SocketAddr,
     child: Child,
-    _dir: TempDir,
+    /// Where it runs: its config and its log.
+    dir: TempDir,
 }
 
 impl Drop for Peer {
@@ -163,11 +163,7 @@ impl Peer {
             .stderr(log)
             .spawn()
             .unwrap_or_else(|err| panic!("start {name} (run `cargo xtask setup`): {err}"));
-        let mut peer = Self {
-            addr,
-            child,
-            _dir: dir,
-        };
+        let mut peer = Self { addr, child, dir };
         peer.wait_listening(name);
         peer
     }
@@ -176,7 +172,7 @@ impl Peer {
         let started = Instant::now();
         while std::net::TcpStream::connect(self.addr).is_err() {
             if let Ok(Some(status)) = self.child.try_wait() {
-                let log = std::fs::read_to_string(self._dir.0.join("output.log"));
+                let log = std::fs::read_to_string(self.dir.0.join("output.log"));
                 panic!("{name} exited with {status}: {}", log.unwrap_or_default());
             }
             assert!(started.elapsed() < READY_BOUND, "{name} did not listen");
@@ -187,11 +183,6 @@ impl Peer {
 
     pub fn pid(&self) -> u32 {
         self.child.id()
-    }
-
-    /// The directory the peer runs in (its config and log).
-    pub fn dir(&self) -> &Path {
-        &self._dir.0
     }
 }
 
