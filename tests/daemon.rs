@@ -1,11 +1,17 @@
 //! `guard run` and `guard check-config` as a user meets them: the metrics listener shows
 //! `guard_ebpf_attached 1` as root and 0 without privileges (with one line saying why), a bad
-//! config exits 64 naming file, line and key, and SIGTERM exits 0 and detaches.
+//! config exits 64 naming file, line and key, SIGTERM exits 0 and detaches, and several
+//! listen addresses (IPv4 and IPv6) each serve and reap, while overlapping ones are refused.
 
 use std::process::Command;
 
 use guard_tests::{
-    TempDir, free_addr, guard_bin, http::get, metric, require_root, servers::GuardProcess,
+    TempDir,
+    counting::{Counting, Play, post_play},
+    free_addr, guard_bin,
+    http::{Leave, get, leave, raw_request},
+    metric, require_root,
+    servers::GuardProcess,
 };
 
 /// Whether a process holds a BPF program (an fd whose link says bpf-prog).
@@ -88,4 +94,70 @@ fn bad_config_exits_64_naming_file_line_and_key() {
         "{}",
         String::from_utf8_lossy(&good.stderr)
     );
+}
+
+/// A port free on IPv6's loopback now.
+fn free_v6_addr() -> std::net::SocketAddr {
+    std::net::TcpListener::bind("[::1]:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("IPv6 loopback (the test needs ::1 up)")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn each_listen_address_serves_and_its_departed_clients_are_reaped() {
+    require_root();
+    let upstream = Counting::start().await;
+    let (v4, v6) = (free_addr(), free_v6_addr());
+    let extra = format!("[server]\nlisten = [\"{v4}\", \"{v6}\"]\n");
+    let guard = GuardProcess::start(upstream.addr, "openai", &extra);
+    assert_eq!(guard.listen, v4);
+    for addr in [v4, v6] {
+        let answer = post_play(addr, &Play::new("complete")).await;
+        assert_eq!(answer.status, 200, "through {addr}: {}", answer.text());
+    }
+    assert_eq!(upstream.exchanges().len(), 2);
+    let text = guard.metrics_text().await;
+    assert_eq!(metric(&text, "guard_ebpf_attached"), Some(1.0), "{text}");
+    // With the kernel program attached nothing in user space watches a client: a reap on the
+    // second listener's port says the program watches that port too.
+    let client = raw_request(v6, "/v1/chat/completions", &[], &Play::new("hang").json()).await;
+    while upstream.open() == 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    leave(client, Leave::Reset);
+    guard
+        .wait_for_metric(
+            "guard_reaped_total{class=\"interactive\",stage=\"running\"}",
+            1.0,
+        )
+        .await;
+}
+
+#[test]
+fn overlapping_listen_addresses_are_refused_naming_the_key() {
+    let dir = TempDir::new("guard-overlap");
+    let path = dir.0.join("overlap.toml");
+    let port = free_addr().port();
+    let cases = [
+        (
+            format!("[server]\nlisten = [\"127.0.0.1:{port}\", \"0.0.0.0:{port}\"]\n"),
+            "server.listen",
+        ),
+        (
+            format!("[server]\nlisten = \"[::1]:{port}\"\n[metrics]\nlisten = \"[::]:{port}\"\n"),
+            "metrics.listen",
+        ),
+    ];
+    for (text, key) in cases {
+        std::fs::write(&path, &text).expect("write");
+        let output = Command::new(guard_bin())
+            .args(["run", "--config"])
+            .arg(&path)
+            .output()
+            .expect("run guard");
+        assert_eq!(output.status.code(), Some(64), "{text}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(&format!(": {key}: ")), "{text}: {stderr}");
+        assert!(stderr.contains("overlaps"), "{stderr}");
+    }
 }

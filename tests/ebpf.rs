@@ -80,7 +80,7 @@ async fn close_is_reported(ip: &str, use_reset: bool) {
     );
     let gone: Vec<_> = seen
         .iter()
-        .filter(|e| e.is_client_gone(server.port()))
+        .filter(|e| e.is_client_gone(&[server.port()]))
         .collect();
     assert_eq!(gone.len(), 1, "exactly one client-gone event: {seen:?}");
     assert_eq!(gone[0].remote, client_addr);
@@ -125,7 +125,7 @@ async fn unwatched_port_produces_nothing() {
     drop(sentinel);
     let seen = collect_until(&mut events, |seen| {
         seen.iter()
-            .any(|e| e.is_client_gone(watched_addr.port()) && e.remote == sentinel_addr)
+            .any(|e| e.is_client_gone(&[watched_addr.port()]) && e.remote == sentinel_addr)
     })
     .await;
     let port = unwatched_addr.port();
@@ -216,7 +216,7 @@ async fn ten_thousand_connections_lose_no_event() {
     let mut gone_total = 0;
     collect_until(&mut events, |seen: &[ConnEvent]| {
         if let Some(last) = seen.last()
-            && last.is_client_gone(server.port())
+            && last.is_client_gone(&[server.port()])
         {
             *gone.entry(last.remote).or_default() += 1;
             gone_total += 1;

@@ -15,7 +15,7 @@ use tokio::{
 
 use crate::{
     classify::Tally,
-    config::Config,
+    config::{Config, Listen},
     metrics::{self, Metrics},
     proxy::{self, Proxy, ProxyError},
     queue::Scheduler,
@@ -57,11 +57,13 @@ struct EbpfState {
 pub struct Setup {
     metrics: Metrics,
     throttler: Throttler,
-    proxy: std::net::TcpListener,
-    metrics_listener: std::net::TcpListener,
+    /// One socket for each of `server.listen`'s addresses.
+    proxy: Vec<Bound>,
+    metrics_listener: Vec<Bound>,
     /// HAProxy's agent check (`cluster.agent_listen`), where configured.
-    agent: Option<std::net::TcpListener>,
-    port: u16,
+    agent: Option<Bound>,
+    /// The ports the proxy's sockets got (the kernel's choice where the config said 0).
+    ports: Vec<u16>,
     ebpf: Result<Loaded, EbpfError>,
 }
 
@@ -71,18 +73,18 @@ impl Setup {
         // Before anything else: checks and locks each class cgroup and restores what a crash
         // left (a second guard on the same cgroups stops here, naming the key).
         let throttler = Throttler::new(config, &metrics)?;
-        let proxy = bind("server.listen", config.server.listen)?;
-        let metrics_listener = bind("metrics.listen", config.metrics.listen)?;
+        let proxy = bind_all("server.listen", &config.server.listen)?;
+        let metrics_listener = bind_all("metrics.listen", &config.metrics.listen)?;
         let agent = config
             .cluster
             .agent_listen
             .map(|addr| bind("cluster.agent_listen", addr))
             .transpose()?;
-        let port = proxy
-            .local_addr()
-            .map_or(config.server.listen.port(), |a| a.port());
+        let mut ports: Vec<u16> = proxy.iter().map(|bound| bound.port()).collect();
+        ports.sort_unstable();
+        ports.dedup();
         let ebpf = if config.ebpf.enabled {
-            EbpfTracker::load(&[port])
+            EbpfTracker::load(&ports)
         } else {
             Err(EbpfError::Disabled)
         };
@@ -92,7 +94,7 @@ impl Setup {
             proxy,
             metrics_listener,
             agent,
-            port,
+            ports,
             ebpf,
         })
     }
@@ -123,23 +125,16 @@ pub async fn run(
     }
 
     let throttler = Arc::new(Mutex::new(setup.throttler));
-    let listening = |key, addr, listener| {
-        TcpListener::from_std(listener).map_err(|source| DaemonError::Bind { key, addr, source })
-    };
-    let proxy_listener = listening("server.listen", config.server.listen, setup.proxy)?;
-    let metrics_listener = listening(
-        "metrics.listen",
-        config.metrics.listen,
-        setup.metrics_listener,
-    )?;
-    let listen_port = setup.port;
-    let (ebpf, events) = start_ebpf(setup.ebpf, listen_port);
+    let proxy_listeners = listening(setup.proxy)?;
+    let metrics_listeners = listening(setup.metrics_listener)?;
+    let listen_ports = setup.ports;
+    let (ebpf, events) = start_ebpf(setup.ebpf, &listen_ports);
     metrics.ebpf_attached.set(i64::from(ebpf.tracker.is_some()));
     let tracker = ebpf.tracker.clone();
     let ebpf = Arc::new(Mutex::new(ebpf));
     let connections = Arc::new(Registry::default());
     if let Some(events) = events {
-        tokio::spawn(reaper::run(events, Arc::clone(&connections), listen_port));
+        tokio::spawn(reaper::run(events, Arc::clone(&connections), listen_ports));
     }
 
     let scheduler = Scheduler::new(&config, metrics.clone());
@@ -194,7 +189,7 @@ pub async fn run(
         },
     };
     let metrics_task = tokio::spawn(metrics::serve(
-        metrics_listener,
+        metrics_listeners,
         metrics.clone(),
         status,
         limits,
@@ -202,8 +197,7 @@ pub async fn run(
     ));
     let agent_task = match setup.agent {
         Some(listener) => {
-            let addr = config.cluster.agent_listen.unwrap_or(config.server.listen);
-            let listener = listening("cluster.agent_listen", addr, listener)?;
+            let listener = listener.into_tokio()?;
             let sources = Arc::clone(&sources);
             let refused = metrics
                 .connections_refused_total
@@ -231,7 +225,7 @@ pub async fn run(
     let grace = Duration::from_millis(config.server.drain_grace_ms);
     let workers = proxy::Workers::per_cpu()?;
     let proxy_task = tokio::spawn(proxy::serve(
-        proxy_listener,
+        proxy_listeners,
         Arc::clone(&proxy),
         stopped,
         grace,
@@ -293,27 +287,61 @@ fn raise_open_file_limit() {
     }
 }
 
+/// A listening socket made before the runtime exists, with the key and address it is for.
+struct Bound {
+    key: &'static str,
+    addr: SocketAddr,
+    socket: std::net::TcpListener,
+}
+
+impl Bound {
+    fn port(&self) -> u16 {
+        self.socket.local_addr().map_or(self.addr.port(), |a| a.port())
+    }
+
+    fn into_tokio(self) -> Result<TcpListener, DaemonError> {
+        let Self { key, addr, socket } = self;
+        TcpListener::from_std(socket).map_err(|source| DaemonError::Bind { key, addr, source })
+    }
+}
+
+fn listening(bound: Vec<Bound>) -> Result<Vec<TcpListener>, DaemonError> {
+    bound.into_iter().map(Bound::into_tokio).collect()
+}
+
+fn bind_all(key: &'static str, listen: &Listen) -> Result<Vec<Bound>, DaemonError> {
+    listen.addrs().iter().map(|&addr| bind(key, addr)).collect()
+}
+
 /// A listening socket as tokio's own bind makes one (SO_REUSEADDR, a backlog of 1024),
-/// made before the runtime exists, non-blocking for it.
-fn bind(key: &'static str, addr: SocketAddr) -> Result<std::net::TcpListener, DaemonError> {
+/// made before the runtime exists, non-blocking for it. An IPv6 one takes IPv6 only, so that
+/// `[::]` and `0.0.0.0` are two listeners, each as configured.
+fn bind(key: &'static str, addr: SocketAddr) -> Result<Bound, DaemonError> {
     use socket2::{Domain, Socket, Type};
     let fail = |source| DaemonError::Bind { key, addr, source };
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None).map_err(fail)?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(true).map_err(fail)?;
+    }
     socket.set_reuse_address(true).map_err(fail)?;
     socket.set_nonblocking(true).map_err(fail)?;
     socket.bind(&addr.into()).map_err(fail)?;
     socket.listen(1024).map_err(fail)?;
-    Ok(socket.into())
+    Ok(Bound {
+        key,
+        addr,
+        socket: socket.into(),
+    })
 }
 
 /// Starts reading from the kernel program, or says once, clearly, why guard runs without it.
 fn start_ebpf(
     loaded: Result<Loaded, EbpfError>,
-    port: u16,
+    ports: &[u16],
 ) -> (EbpfState, Option<mpsc::Receiver<ConnEvent>>) {
     match loaded.and_then(Loaded::start) {
         Ok((tracker, events)) => {
-            tracing::info!(port, "eBPF program attached to sock/inet_sock_set_state");
+            tracing::info!(?ports, "eBPF program attached to sock/inet_sock_set_state");
             let state = EbpfState {
                 tracker: Some(tracker),
                 unavailable: None,

@@ -34,10 +34,14 @@ pub fn run(config: &Config) -> Vec<Check> {
         name: "capabilities",
         result: Ok(capabilities(config, ebpf_ready)),
     });
-    for (name, addr) in [
-        ("server.listen", config.server.listen),
-        ("metrics.listen", config.metrics.listen),
-    ] {
+    let listeners = [
+        ("server.listen", &config.server.listen),
+        ("metrics.listen", &config.metrics.listen),
+    ];
+    for (name, addr) in listeners
+        .into_iter()
+        .flat_map(|(name, listen)| listen.addrs().iter().map(move |&addr| (name, addr)))
+    {
         checks.push(Check {
             name,
             result: match std::net::TcpListener::bind(addr) {

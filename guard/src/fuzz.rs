@@ -85,7 +85,7 @@ pub fn ebpf_event(data: &[u8]) {
     let Some(event) = ConnEvent::decode(data) else {
         return;
     };
-    let _ = event.is_client_gone(event.local.port());
+    let _ = event.is_client_gone(&[event.local.port()]);
     assert_eq!(event.local.ip(), event.local.ip().to_canonical());
 }
 

@@ -3,7 +3,7 @@
 //! when accept fails (`EMFILE` leaves the connection queued; spinning would only log), and at
 //! most one log line a second about it.
 
-use std::{net::SocketAddr, sync::Arc, time::Duration};
+use std::{net::SocketAddr, sync::Arc, task::Poll, time::Duration};
 
 use prometheus::IntCounter;
 use tokio::{
@@ -17,9 +17,11 @@ const BACKOFF: Duration = Duration::from_millis(100);
 /// Accept failures are logged at most this often.
 const LOG_EVERY: Duration = Duration::from_secs(1);
 
-/// A listener with a cap on its open connections.
+/// Listeners (one key's addresses) with one cap on their open connections together.
 pub struct Acceptor {
-    listener: TcpListener,
+    listeners: Vec<TcpListener>,
+    /// Which listener is asked first next time, so a busy one cannot starve the others.
+    first: usize,
     name: &'static str,
     open: Arc<Semaphore>,
     refused: IntCounter,
@@ -41,9 +43,15 @@ pub enum Arrival {
 }
 
 impl Acceptor {
-    pub fn new(listener: TcpListener, name: &'static str, cap: usize, refused: IntCounter) -> Self {
+    pub fn new(
+        listeners: Vec<TcpListener>,
+        name: &'static str,
+        cap: usize,
+        refused: IntCounter,
+    ) -> Self {
         Self {
-            listener,
+            listeners,
+            first: 0,
             name,
             open: Arc::new(Semaphore::new(cap)),
             refused,
@@ -55,7 +63,7 @@ impl Acceptor {
     /// The next connection; failures pause and retry.
     pub async fn next(&mut self) -> Arrival {
         loop {
-            match self.listener.accept().await {
+            match self.accept().await {
                 Ok((stream, peer)) => {
                     return match Arc::clone(&self.open).try_acquire_owned() {
                         Ok(place) => Arrival::Accepted(Accepted {
@@ -75,6 +83,22 @@ impl Acceptor {
                 }
             }
         }
+    }
+
+    /// The next connection on any of the listeners, asking each in turn.
+    async fn accept(&mut self) -> std::io::Result<(TcpStream, SocketAddr)> {
+        std::future::poll_fn(|cx| {
+            let count = self.listeners.len();
+            for n in 0..count {
+                let at = (self.first + n) % count;
+                if let Poll::Ready(result) = self.listeners[at].poll_accept(cx) {
+                    self.first = (at + 1) % count;
+                    return Poll::Ready(result);
+                }
+            }
+            Poll::Pending
+        })
+        .await
     }
 
     fn note_failure(&mut self, err: &std::io::Error) {

@@ -43,7 +43,7 @@ async fn latency() {
         let closed = monotonic_now();
         loop {
             let event = events.recv().await.expect("event stream open");
-            if event.is_client_gone(server.port()) && event.remote == client_addr {
+            if event.is_client_gone(&[server.port()]) && event.remote == client_addr {
                 let now = monotonic_now();
                 from_close.push(now.saturating_sub(closed));
                 from_kernel.push(now.saturating_sub(event.at));

@@ -274,14 +274,16 @@ impl GuardProcess {
         } = launch;
         let unprivileged = *unprivileged;
         let dir = TempDir::new(&format!("guard-e2e-{}", free_addr().port()));
-        let listen = free_addr();
+        // The test's own settings, with the addresses this harness chose merged in; a test
+        // that names its own `server.listen` keeps it (`listen` is then its first address).
+        let mut config: toml::Table = extra.parse().expect("the test's config is TOML");
+        let listen = own_listen(&config).unwrap_or_else(free_addr);
         // Two ports asked for one after the other may be the same one, freed and handed out
         // again: ask until they differ.
         let metrics = std::iter::repeat_with(free_addr)
             .find(|addr| *addr != listen)
             .expect("a second free port");
-        // The test's own settings, with the addresses this harness chose merged in.
-        let mut config: toml::Table = extra.parse().expect("the test's config is TOML");
+        let own = own_listen(&config).is_some();
         let mut set = |table: &str, key: &str, value: String| {
             config
                 .entry(table)
@@ -290,7 +292,9 @@ impl GuardProcess {
                 .expect("a table")
                 .insert(key.to_owned(), toml::Value::String(value));
         };
-        set("server", "listen", listen.to_string());
+        if !own {
+            set("server", "listen", listen.to_string());
+        }
         set("metrics", "listen", metrics.to_string());
         set("upstream", "url", format!("http://{upstream}"));
         set("upstream", "api", api.to_owned());
@@ -426,4 +430,14 @@ impl Drop for GuardProcess {
     fn drop(&mut self) {
         stop(&mut self.child, Duration::from_secs(10));
     }
+}
+
+/// The first of the addresses a test's config names in `server.listen`, if it names any.
+fn own_listen(config: &toml::Table) -> Option<SocketAddr> {
+    let listen = config.get("server")?.get("listen")?;
+    let first = match listen {
+        toml::Value::Array(addrs) => addrs.first()?,
+        one => one,
+    };
+    first.as_str()?.parse().ok()
 }

@@ -18,7 +18,7 @@ const WRITE_BOUND: Duration = Duration::from_secs(1);
 
 /// Answers agent checks until the task is dropped.
 pub async fn serve(listener: TcpListener, line: LineFn, refused: IntCounter) {
-    let mut acceptor = Acceptor::new(listener, "agent", MAX_CONNECTIONS, refused);
+    let mut acceptor = Acceptor::new(vec![listener], "agent", MAX_CONNECTIONS, refused);
     loop {
         let Arrival::Accepted(Accepted {
             mut stream, place, ..

@@ -3,6 +3,7 @@
 //! Every key is documented in `deploy/guard.example.toml`; a test parses that file.
 
 mod error;
+mod listen;
 mod locate;
 mod validate;
 
@@ -16,6 +17,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 
 pub use error::ConfigError;
+pub use listen::{Listen, overlap};
 
 /// Where `guard run` looks when `--config` is not given.
 pub const DEFAULT_PATH: &str = "/etc/guard/guard.toml";
@@ -62,7 +64,8 @@ impl Default for ClusterConfig {
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServerConfig {
-    pub listen: SocketAddr,
+    /// One address or a list; every listener shares the limits below.
+    pub listen: Listen,
     /// A client must send its whole request head within this time.
     pub header_read_timeout_ms: u64,
     /// Largest request body accepted on a queued endpoint; larger gets 413.
@@ -106,7 +109,8 @@ pub enum Api {
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
-    pub listen: SocketAddr,
+    /// One address or a list.
+    pub listen: Listen,
     /// Scrapers connected at once; more are closed at once.
     pub max_connections: u32,
     /// A scraper must send its request head within this time.
@@ -523,7 +527,7 @@ impl Default for Config {
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
-            listen: SocketAddr::from(([127, 0, 0, 1], 11434)),
+            listen: Listen::one(SocketAddr::from(([127, 0, 0, 1], 11434))),
             header_read_timeout_ms: 10_000,
             body_limit_bytes: 16 << 20,
             drain_grace_ms: 30_000,
@@ -556,7 +560,7 @@ impl Default for UpstreamConfig {
 impl Default for MetricsConfig {
     fn default() -> Self {
         Self {
-            listen: SocketAddr::from(([127, 0, 0, 1], 9464)),
+            listen: Listen::one(SocketAddr::from(([127, 0, 0, 1], 9464))),
             max_connections: 32,
             header_read_timeout_ms: 5_000,
             bearer_token_file: None,

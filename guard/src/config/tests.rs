@@ -317,3 +317,29 @@ mod properties {
         assert_eq!(scheduler.load().0, 0);
     }
 }
+
+#[test]
+fn listeners_take_a_list_and_refuse_an_overlap_naming_the_key() {
+    let config = parse("[server]\nlisten = [\"127.0.0.1:7000\", \"[::1]:7000\"]\n").expect("a list");
+    assert_eq!(config.server.listen.addrs().len(), 2);
+    let cases = [
+        (
+            "[server]\nlisten = [\"127.0.0.1:7000\", \"0.0.0.0:7000\"]\n",
+            "server.listen",
+        ),
+        (
+            "[server]\nlisten = \"[::]:7000\"\n[metrics]\nlisten = [\"127.0.0.1:7001\", \"[::1]:7000\"]\n",
+            "metrics.listen",
+        ),
+        (
+            "[cluster]\nagent_listen = \"127.0.0.1:9464\"\n",
+            "cluster.agent_listen",
+        ),
+    ];
+    for (text, expected) in cases {
+        let (line, key, message) = invalid(text);
+        assert_eq!(key, expected, "{text}");
+        assert!(line.is_some(), "{text}");
+        assert!(message.contains("overlaps"), "{message}");
+    }
+}

@@ -1,9 +1,9 @@
 //! What the types alone cannot check: every limit and duration within a range that means what
 //! `deploy/guard.example.toml` says, names that exist, patterns that compile.
 
-use std::path::Path;
+use std::{net::SocketAddr, path::Path};
 
-use super::{Config, ResolvedRule, RuleConfig, UidSpec, parse_cidr};
+use super::{Config, ResolvedRule, RuleConfig, UidSpec, overlap, parse_cidr};
 use crate::secret::Secret;
 
 /// The longest duration any `_ms` key may name: a week. Longer is surely a typo, and keeps
@@ -69,13 +69,7 @@ impl Range {
 impl Config {
     /// Checks what the types alone cannot; returns the offending key and why.
     pub(super) fn validate(&self) -> Result<(), Invalid> {
-        let fail = |key: &str, message: String| Err(Invalid::new(key, message));
-        if self.server.listen == self.metrics.listen {
-            return fail(
-                "metrics.listen",
-                format!("{} is already server.listen", self.metrics.listen),
-            );
-        }
+        self.check_listeners()?;
         for range in self.ranges() {
             range.check()?;
         }
@@ -86,18 +80,35 @@ impl Config {
         self.check_cluster()
     }
 
-    /// The agent's address is its own; its classes exist; the model-server path is a path of
-    /// its own on the metrics listener.
+    /// No two listening addresses, within a key or across keys, would take the same socket.
+    fn check_listeners(&self) -> Result<(), Invalid> {
+        let keys = [
+            ("server.listen", self.server.listen.addrs()),
+            ("metrics.listen", self.metrics.listen.addrs()),
+            (
+                "cluster.agent_listen",
+                self.cluster.agent_listen.as_slice(),
+            ),
+        ];
+        let all: Vec<(&str, SocketAddr)> = keys
+            .iter()
+            .flat_map(|(key, addrs)| addrs.iter().map(|addr| (*key, *addr)))
+            .collect();
+        for (n, &(key, addr)) in all.iter().enumerate() {
+            if let Some((earlier, taken)) = all[..n].iter().find(|(_, a)| overlap(*a, addr)) {
+                return Err(Invalid::new(
+                    key,
+                    format!("{addr} overlaps {taken} ({earlier}): each address once"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The agent's classes exist; the model-server path is a path of its own on the metrics
+    /// listener.
     fn check_cluster(&self) -> Result<(), Invalid> {
         let cluster = &self.cluster;
-        if let Some(agent) = cluster.agent_listen
-            && [self.server.listen, self.metrics.listen].contains(&agent)
-        {
-            return Err(Invalid::new(
-                "cluster.agent_listen",
-                format!("{agent} is already server.listen or metrics.listen"),
-            ));
-        }
         for class in cluster.agent_classes.iter().flatten() {
             if !self.class.contains_key(class) {
                 return Err(Invalid::new(

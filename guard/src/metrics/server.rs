@@ -36,7 +36,7 @@ pub struct Limits {
 /// must send its request head within the header timeout. Whatever happens here, the proxy
 /// listener is another task and another socket.
 pub async fn serve(
-    listener: TcpListener,
+    listeners: Vec<TcpListener>,
     metrics: Metrics,
     status: StatusFn,
     limits: Limits,
@@ -45,7 +45,7 @@ pub async fn serve(
     let refused = metrics
         .connections_refused_total
         .with_label_values(&["metrics"]);
-    let mut acceptor = Acceptor::new(listener, "metrics", limits.max_connections, refused);
+    let mut acceptor = Acceptor::new(listeners, "metrics", limits.max_connections, refused);
     loop {
         let Arrival::Accepted(Accepted { stream, place, .. }) = acceptor.next().await else {
             // Over the cap: closed as it is dropped.

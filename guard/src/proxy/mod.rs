@@ -14,7 +14,6 @@ mod workers;
 
 use std::{
     collections::BTreeMap,
-    net::SocketAddr,
     sync::{Arc, RwLock},
     time::Duration,
 };
@@ -88,7 +87,6 @@ pub struct Proxy {
     tracker: Option<Arc<EbpfTracker>>,
     settings: RwLock<Arc<Settings>>,
     header_read_timeout: Duration,
-    listen: SocketAddr,
     remote_models: Arc<Watched>,
     budget: Arc<budget::BodyBudget>,
     /// Pass-through requests in flight now.
@@ -149,7 +147,6 @@ impl Proxy {
             tracker: parts.tracker,
             settings: RwLock::new(Arc::new(settings)),
             header_read_timeout: config.header_read_timeout(),
-            listen: config.server.listen,
             remote_models: parts.watched,
             budget: budget::BodyBudget::new(
                 config.server.max_body_bytes_in_flight,

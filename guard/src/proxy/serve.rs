@@ -28,7 +28,7 @@ const READ_BUFFER: usize = 32 << 10;
 /// finish their current request, at most `grace`. More than `server.max_connections` at once
 /// are answered 503 and closed. Each connection is served on one of `workers`' threads.
 pub async fn serve(
-    listener: TcpListener,
+    listeners: Vec<TcpListener>,
     proxy: Arc<Proxy>,
     mut shutdown: watch::Receiver<bool>,
     grace: Duration,
@@ -39,7 +39,7 @@ pub async fn serve(
         .metrics
         .connections_refused_total
         .with_label_values(&["proxy"]);
-    let mut acceptor = Acceptor::new(listener, "proxy", proxy.max_connections, refused);
+    let mut acceptor = Acceptor::new(listeners, "proxy", proxy.max_connections, refused);
     loop {
         let arrival = tokio::select! {
             arrival = acceptor.next() => arrival,
@@ -72,12 +72,15 @@ pub async fn serve(
         // Handed over as plain sockets: the serving thread registers them with its own
         // reactor, so that their readiness wakes that thread alone.
         let stream = stream.into_std();
-        let serving = stream.map(|stream| Handover {
-            proxy: Arc::clone(&proxy),
-            stream,
-            watched,
-            peer,
-            graceful: graceful.watcher(),
+        let serving = stream.and_then(|stream| {
+            Ok(Handover {
+                proxy: Arc::clone(&proxy),
+                local: stream.local_addr()?,
+                stream,
+                watched,
+                peer,
+                graceful: graceful.watcher(),
+            })
         });
         workers.next().spawn(async move {
             match serving {
@@ -108,6 +111,8 @@ struct Handover {
     stream: std::net::TcpStream,
     watched: Option<std::net::TcpStream>,
     peer: SocketAddr,
+    /// The listener's address the client reached.
+    local: SocketAddr,
     graceful: Watcher,
 }
 
@@ -119,6 +124,7 @@ impl Handover {
             stream,
             watched,
             peer,
+            local,
             graceful,
         } = self;
         let registered = TcpStream::from_std(stream).and_then(|stream| {
@@ -127,7 +133,7 @@ impl Handover {
         });
         match registered {
             Ok((stream, watched)) => {
-                serve_connection(proxy, stream, peer, watched, Some(graceful)).await;
+                serve_connection(proxy, stream, (peer, local), watched, Some(graceful)).await;
             }
             Err(err) => tracing::warn!(%peer, %err, "cannot serve the connection"),
         }
@@ -143,19 +149,19 @@ fn refuse(stream: &TcpStream, api: Api) {
     let _ = stream.try_write(&ProxyError::TooManyConnections.raw_response(shape));
 }
 
-/// Serves one client connection until it ends or its client is known to have left; then
+/// Serves one client connection (from `peer`, to guard's `local` address) until it ends or its client is known to have left; then
 /// every request still riding on it learns so (`Connection::gone`).
 pub fn serve_connection<I>(
     proxy: Arc<Proxy>,
     io: I,
-    peer: SocketAddr,
+    (peer, local): (SocketAddr, SocketAddr),
     watched: Option<TcpStream>,
     graceful: Option<Watcher>,
 ) -> impl Future<Output = ()> + Send + use<I>
 where
     I: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
-    let connection = proxy.connections.register(peer);
+    let connection = proxy.connections.register(peer, local);
     let half_close = proxy.half_close_means_gone();
     let service = {
         let proxy = Arc::clone(&proxy);

@@ -61,10 +61,11 @@ pub struct ConnEvent {
 }
 
 impl ConnEvent {
-    /// Whether this is the accepted (server) side of a connection to `listen_port` learning
-    /// that its client has gone: a FIN (CLOSE_WAIT) or a reset (CLOSE) while established.
-    pub fn is_client_gone(&self, listen_port: u16) -> bool {
-        self.local.port() == listen_port
+    /// Whether this is the accepted (server) side of a connection to one of `listen_ports`
+    /// learning that its client has gone: a FIN (CLOSE_WAIT) or a reset (CLOSE) while
+    /// established.
+    pub fn is_client_gone(&self, listen_ports: &[u16]) -> bool {
+        listen_ports.contains(&self.local.port())
             && self.old == TcpState::Established
             && matches!(self.new, TcpState::CloseWait | TcpState::Close)
     }
@@ -150,9 +151,9 @@ mod tests {
             new,
         };
         use TcpState::*;
-        assert!(event("127.0.0.1:80", Established, CloseWait).is_client_gone(80));
-        assert!(event("127.0.0.1:80", Established, Close).is_client_gone(80));
-        assert!(!event("127.0.0.1:80", Established, FinWait1).is_client_gone(80));
-        assert!(!event("127.0.0.1:81", Established, CloseWait).is_client_gone(80));
+        assert!(event("127.0.0.1:80", Established, CloseWait).is_client_gone(&[80]));
+        assert!(event("127.0.0.1:80", Established, Close).is_client_gone(&[80]));
+        assert!(!event("127.0.0.1:80", Established, FinWait1).is_client_gone(&[80]));
+        assert!(!event("127.0.0.1:81", Established, CloseWait).is_client_gone(&[80]));
     }
 }

@@ -15,6 +15,8 @@ use super::event::{ConnEvent, TcpState, canonical, monotonic_now};
 /// One accepted client connection.
 pub struct Connection {
     pub peer: SocketAddr,
+    /// The listener's address the client reached (one of `server.listen`'s).
+    pub local: SocketAddr,
     /// CLOCK_MONOTONIC at accept: older kernel events for the same 4-tuple are ignored.
     pub accepted_at: Duration,
     cancel: CancellationToken,
@@ -96,10 +98,11 @@ pub struct Registry {
 
 impl Registry {
     /// Records a just-accepted connection.
-    pub fn register(&self, peer: SocketAddr) -> Arc<Connection> {
+    pub fn register(&self, peer: SocketAddr, local: SocketAddr) -> Arc<Connection> {
         let peer = canonical(peer);
         let connection = Arc::new(Connection {
             peer,
+            local: canonical(local),
             accepted_at: monotonic_now(),
             cancel: CancellationToken::new(),
             gone_at: Mutex::new(None),
@@ -138,16 +141,20 @@ impl Registry {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Applies a kernel event for a connection to `listen_port`; returns the connection it
-    /// marked gone, if any. Unless a half-close means gone, only a reset counts.
-    pub fn apply(&self, event: &ConnEvent, listen_port: u16) -> Option<Arc<Connection>> {
-        if !event.is_client_gone(listen_port) {
+    /// Applies a kernel event for a connection to one of `listen_ports`; returns the
+    /// connection it marked gone, if any. Unless a half-close means gone, only a reset counts.
+    pub fn apply(&self, event: &ConnEvent, listen_ports: &[u16]) -> Option<Arc<Connection>> {
+        if !event.is_client_gone(listen_ports) {
             return None;
         }
         if event.new == TcpState::CloseWait && !self.half_close_means_gone() {
             return None;
         }
         let connection = self.lock().get(&event.remote).cloned()?;
+        // The same client address may reach two listeners; only this one's is gone.
+        if connection.local != event.local {
+            return None;
+        }
         // An event from before this connection was accepted belongs to an earlier
         // connection on the same 4-tuple.
         if event.at < connection.accepted_at {
@@ -185,11 +192,16 @@ mod tests {
         ConnEvent {
             at,
             socket: 1,
-            local: "127.0.0.1:80".parse().expect("addr"),
+            local: local(),
             remote,
             old: TcpState::Established,
             new,
         }
+    }
+
+    /// The listener every test connection reached.
+    fn local() -> SocketAddr {
+        "127.0.0.1:80".parse().expect("addr")
     }
 
     fn registry(half_close_means_gone: bool) -> Registry {
@@ -202,34 +214,45 @@ mod tests {
     fn a_close_marks_its_connection_gone() {
         let registry = registry(true);
         let peer: SocketAddr = "127.0.0.1:5000".parse().expect("addr");
-        let connection = registry.register(peer);
+        let connection = registry.register(peer, local());
         let later = connection.accepted_at + Duration::from_millis(1);
         assert!(
             registry
-                .apply(&event(peer, later, TcpState::CloseWait), 81)
+                .apply(&event(peer, later, TcpState::CloseWait), &[81])
                 .is_none(),
             "other port"
         );
         let other: SocketAddr = "127.0.0.1:5001".parse().expect("addr");
         assert!(
             registry
-                .apply(&event(other, later, TcpState::CloseWait), 80)
+                .apply(&event(other, later, TcpState::CloseWait), &[80])
                 .is_none()
         );
-        let gone = registry.apply(&event(peer, later, TcpState::CloseWait), 80);
+        let gone = registry.apply(&event(peer, later, TcpState::CloseWait), &[80]);
         assert!(gone.is_some_and(|c| Arc::ptr_eq(&c, &connection)));
         assert_eq!(connection.gone_at(), Some(later));
+    }
+
+    #[test]
+    fn a_close_on_another_listener_leaves_this_connection() {
+        let registry = registry(true);
+        let peer: SocketAddr = "127.0.0.1:5000".parse().expect("addr");
+        let connection = registry.register(peer, "127.0.0.1:81".parse().expect("addr"));
+        let later = connection.accepted_at + Duration::from_millis(1);
+        let elsewhere = event(peer, later, TcpState::Close);
+        assert!(registry.apply(&elsewhere, &[80, 81]).is_none());
+        assert_eq!(connection.gone_at(), None);
     }
 
     #[test]
     fn an_old_event_on_a_reused_4_tuple_is_ignored() {
         let registry = registry(true);
         let peer: SocketAddr = "127.0.0.1:5000".parse().expect("addr");
-        let connection = registry.register(peer);
+        let connection = registry.register(peer, local());
         let before = connection.accepted_at - Duration::from_millis(1);
         assert!(
             registry
-                .apply(&event(peer, before, TcpState::Close), 80)
+                .apply(&event(peer, before, TcpState::Close), &[80])
                 .is_none()
         );
         assert_eq!(connection.gone_at(), None);
@@ -239,16 +262,16 @@ mod tests {
     fn half_close_counts_only_when_configured() {
         let registry = registry(false);
         let peer: SocketAddr = "127.0.0.1:5000".parse().expect("addr");
-        let connection = registry.register(peer);
+        let connection = registry.register(peer, local());
         let later = connection.accepted_at + Duration::from_millis(1);
         assert!(
             registry
-                .apply(&event(peer, later, TcpState::CloseWait), 80)
+                .apply(&event(peer, later, TcpState::CloseWait), &[80])
                 .is_none()
         );
         assert!(
             registry
-                .apply(&event(peer, later, TcpState::Close), 80)
+                .apply(&event(peer, later, TcpState::Close), &[80])
                 .is_some(),
             "a reset still counts"
         );
@@ -258,8 +281,8 @@ mod tests {
     fn unregister_keeps_a_newer_connection_on_the_same_4_tuple() {
         let registry = Registry::default();
         let peer: SocketAddr = "127.0.0.1:5000".parse().expect("addr");
-        let old = registry.register(peer);
-        let new = registry.register(peer);
+        let old = registry.register(peer, local());
+        let new = registry.register(peer, local());
         registry.unregister(&old);
         assert_eq!(registry.len(), 1);
         registry.unregister(&new);

@@ -89,7 +89,7 @@ fn detach(mut head: request::Parts) -> request::Parts {
 /// The client's process, looked up once per connection (the eBPF record, else /proc).
 fn client_process(proxy: &Proxy, connection: &Connection) -> Option<Arc<Peer>> {
     let tracker = proxy.tracker.as_deref();
-    connection.process(|| peer_of(tracker, connection.peer, proxy.listen))
+    connection.process(|| peer_of(tracker, connection.peer, connection.local))
 }
 
 fn too_large(limit: u64) -> Ending {

@@ -399,7 +399,7 @@ impl Harness {
         tokio::spawn(serve_connection(
             Arc::clone(&self.proxy),
             guard_end,
-            peer,
+            (peer, std::net::SocketAddr::from(([127, 0, 0, 1], 11434))),
             None,
             None,
         ));
