@@ -9,7 +9,7 @@ use guard_tests::{
     TempDir,
     counting::{Counting, Play, post_play},
     free_addr, guard_bin,
-    http::{Leave, get, leave, raw_request},
+    http::get,
     metric, require_root,
     servers::GuardProcess,
 };
@@ -120,11 +120,7 @@ async fn each_listen_address_serves_and_its_departed_clients_are_reaped() {
     assert_eq!(metric(&text, "guard_ebpf_attached"), Some(1.0), "{text}");
     // With the kernel program attached nothing in user space watches a client: a reap on the
     // second listener's port says the program watches that port too.
-    let client = raw_request(v6, "/v1/chat/completions", &[], &Play::new("hang").json()).await;
-    while upstream.open() == 0 {
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    leave(client, Leave::Reset);
+    upstream.hang_then_leave(v6).await;
     guard
         .wait_for_metric(
             "guard_reaped_total{class=\"interactive\",stage=\"running\"}",

@@ -1,6 +1,8 @@
 //! The eBPF program on the real kernel: close and reset events with the right 4-tuple and
-//! states for IPv4 and IPv6, nothing from unwatched ports, connect owners with pid and cgroup,
-//! and no event lost among 10,000 connections.
+//! states for IPv4 and IPv6, nothing from unwatched ports, connect owners with pid, uid and
+//! cgroup, no event lost among 10,000 connections, fields read where the loader says they are,
+//! and a departed client reaped end to end. `cargo xtask kernels` runs this binary inside each
+//! kernel of the matrix and reads the `burst:` line it prints.
 
 use std::{
     collections::HashMap,
@@ -9,11 +11,13 @@ use std::{
     process::{Command, Stdio},
 };
 
-use guard::reap::{ConnEvent, EbpfTracker, TcpState};
+use guard::reap::{ConnEvent, EbpfTracker, Layout, TcpState};
 use guard_tests::{
     ChildGuard, TestCgroup, cgroup2_root, collect_until,
+    counting::Counting,
     http::{Leave, leave},
     require_root,
+    servers::GuardProcess,
 };
 
 fn listener(ip: &str) -> (TcpListener, SocketAddr) {
@@ -109,6 +113,41 @@ async fn reset_on_ipv6_is_reported_with_its_4_tuple() {
     close_is_reported("[::1]", true).await;
 }
 
+/// The loader hands the program the record's layout (read from the running kernel's format
+/// file): told that `sport` and `dport` sit in each other's place, the program reads them so,
+/// and the server's own socket reports the connection with its ends swapped.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_program_reads_fields_where_the_loader_says() {
+    require_root();
+    let (listener, server) = listener("127.0.0.1");
+    let swapped = Layout {
+        sport: Layout::KNOWN.dport,
+        dport: Layout::KNOWN.sport,
+        ..Layout::KNOWN
+    };
+    let (_tracker, mut events) = EbpfTracker::load_with_layout(&[server.port()], swapped)
+        .and_then(guard::reap::Loaded::start)
+        .expect("load and attach");
+    let (client, accepted) = connect(&listener, server);
+    let client_port = client.local_addr().expect("client addr").port();
+    drop(client);
+    // Only the server's socket goes to CLOSE_WAIT on the client's FIN.
+    let seen = collect_until(&mut events, |seen| {
+        seen.iter().any(|e| e.new == TcpState::CloseWait)
+    })
+    .await;
+    let server_side = seen
+        .iter()
+        .find(|e| e.new == TcpState::CloseWait)
+        .expect("the server side's close");
+    assert_eq!(
+        (server_side.local.port(), server_side.remote.port()),
+        (client_port, server.port()),
+        "{seen:?}"
+    );
+    drop(accepted);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn unwatched_port_produces_nothing() {
     require_root();
@@ -141,7 +180,7 @@ async fn unwatched_port_produces_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn connecting_process_is_recorded_with_pid_and_cgroup() {
+async fn connecting_process_is_recorded_with_pid_uid_and_cgroup() {
     require_root();
     let (listener, server) = listener("127.0.0.1");
     let (tracker, _events) = EbpfTracker::attach(&[server.port()]).expect("attach");
@@ -152,8 +191,10 @@ async fn connecting_process_is_recorded_with_pid_and_cgroup() {
         "import socket, sys\nsys.stdin.readline()\ns = socket.create_connection(('127.0.0.1', {}))\nprint(s.getsockname()[1], flush=True)\nsys.stdin.readline()\n",
         server.port()
     );
+    // Another user than this test's, so that the uid recorded is the client's own.
+    const CLIENT_UID: u32 = 65534;
     let mut child = ChildGuard(
-        Command::new("python3")
+        std::os::unix::process::CommandExt::uid(&mut Command::new("python3"), CLIENT_UID)
             .args(["-c", &script])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -174,6 +215,7 @@ async fn connecting_process_is_recorded_with_pid_and_cgroup() {
     let owner = tracker.owner(peer).expect("the connect owner is recorded");
     assert_eq!(owner.tgid, pid, "tgid is the client process");
     assert_eq!(owner.pid, pid, "the main thread connected");
+    assert_eq!(owner.uid, CLIENT_UID, "the client's real uid");
     assert_eq!(
         owner.cgroup_id,
         cgroup.id(),
@@ -225,10 +267,34 @@ async fn ten_thousand_connections_lose_no_event() {
     })
     .await;
     let clients = opener.join().expect("opener thread");
+    println!(
+        "burst: {gone_total} close events of {CONNECTIONS} connections, {} ring drops",
+        tracker.ring_drops()
+    );
     assert_eq!(
         gone, clients,
         "every close was reported once, for the right client"
     );
     assert_eq!(tracker.ring_drops(), 0, "no ring-buffer drops");
     assert!(tracker.events_sent() >= CONNECTIONS as u64 * 2);
+}
+
+/// The whole path on this kernel: guard with its program attached, a request running at a
+/// tiny upstream, the client resets, and guard reaps the request (no user-space watcher runs
+/// while the program is attached).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_departed_client_is_reaped_end_to_end() {
+    require_root();
+    let upstream = Counting::start().await;
+    let guard = GuardProcess::start(upstream.addr, "openai", "");
+    let attached = guard.metric("guard_ebpf_attached").await;
+    assert_eq!(attached, 1.0, "{}", guard.metrics_text().await);
+    upstream.hang_then_leave(guard.listen).await;
+    guard
+        .wait_for_metric(
+            "guard_reaped_total{class=\"interactive\",stage=\"running\"}",
+            1.0,
+        )
+        .await;
+    assert_eq!(guard.metric("guard_ebpf_ring_drops_total").await, 0.0);
 }

@@ -37,21 +37,43 @@ pub mod tcp_state {
     pub const NEW_SYN_RECV: i32 = 12;
 }
 
-/// Byte offsets of the fields of `sock/inet_sock_set_state` in the tracepoint's record, as
-/// its `format` file gives them. User space checks them against the running kernel before it
-/// loads the program.
-pub mod tracepoint_offsets {
-    pub const SKADDR: usize = 8;
-    pub const OLDSTATE: usize = 16;
-    pub const NEWSTATE: usize = 20;
-    pub const SPORT: usize = 24;
-    pub const DPORT: usize = 26;
-    pub const FAMILY: usize = 28;
-    pub const PROTOCOL: usize = 30;
-    pub const SADDR: usize = 32;
-    pub const DADDR: usize = 36;
-    pub const SADDR_V6: usize = 40;
-    pub const DADDR_V6: usize = 56;
+/// Byte offsets of the fields of `sock/inet_sock_set_state` in the tracepoint's record. User
+/// space reads them from the running kernel's `format` file and hands them to the program as
+/// its `LAYOUT` global before loading it, so a kernel that moves a field is read right.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub skaddr: u32,
+    pub oldstate: u32,
+    pub newstate: u32,
+    pub sport: u32,
+    pub dport: u32,
+    pub family: u32,
+    pub protocol: u32,
+    pub saddr: u32,
+    pub daddr: u32,
+    pub saddr_v6: u32,
+    pub daddr_v6: u32,
+    pub _pad: u32,
+}
+
+impl Layout {
+    /// The layout of every kernel from 4.16 to 7.3 (the program's value until user space
+    /// sets its own).
+    pub const KNOWN: Self = Self {
+        skaddr: 8,
+        oldstate: 16,
+        newstate: 20,
+        sport: 24,
+        dport: 26,
+        family: 28,
+        protocol: 30,
+        saddr: 32,
+        daddr: 36,
+        saddr_v6: 40,
+        daddr_v6: 56,
+        _pad: 0,
+    };
 }
 
 /// One TCP state change of a connection on a watched port.
@@ -119,4 +141,6 @@ mod pod {
     unsafe impl aya::Pod for super::OwnerKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::Owner {}
+    // SAFETY: as above (twelve u32s).
+    unsafe impl aya::Pod for super::Layout {}
 }

@@ -21,9 +21,14 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use guard_common::{
-    AF_INET, AF_INET6, IPPROTO_TCP, MAX_OWNERS, MAX_WATCHED_PORTS, Owner, OwnerKey,
-    RING_BUFFER_BYTES, SockEvent, counter, tcp_state, tracepoint_offsets as off,
+    AF_INET, AF_INET6, IPPROTO_TCP, Layout, MAX_OWNERS, MAX_WATCHED_PORTS, Owner, OwnerKey,
+    RING_BUFFER_BYTES, SockEvent, counter, tcp_state,
 };
+
+/// Where this kernel puts each field of the record: set by user space from the tracepoint's
+/// format file when it loads the program (aya's loader globals).
+#[unsafe(no_mangle)]
+static LAYOUT: Layout = Layout::KNOWN;
 
 /// Local ports guard serves on; the value is 1.
 #[map]
@@ -52,40 +57,49 @@ pub fn inet_sock_set_state(ctx: TracePointContext) -> u32 {
     0
 }
 
+/// The layout user space set. A volatile read: the compiler must not fold in the value the
+/// object was built with, since the loader rewrites it.
+fn layout() -> Layout {
+    // SAFETY: a read of a plain static that nothing writes once the program runs.
+    unsafe { core::ptr::read_volatile(&LAYOUT) }
+}
+
 fn try_inet_sock_set_state(ctx: &TracePointContext) -> Result<(), i32> {
-    // SAFETY (all reads below): offsets and sizes come from the tracepoint's format, which user
-    // space checks against this kernel before loading; bpf_probe_read_kernel faults safely.
-    let protocol: u16 = unsafe { ctx.read_at(off::PROTOCOL)? };
+    let off = layout();
+    let at = |offset: u32| offset as usize;
+    // SAFETY (all reads below): offsets and sizes come from this kernel's format file, read by
+    // user space at load time; bpf_probe_read_kernel faults safely on anything else.
+    let protocol: u16 = unsafe { ctx.read_at(at(off.protocol))? };
     if protocol != IPPROTO_TCP {
         return Ok(());
     }
-    let sport: u16 = unsafe { ctx.read_at(off::SPORT)? };
-    let dport: u16 = unsafe { ctx.read_at(off::DPORT)? };
+    let sport: u16 = unsafe { ctx.read_at(at(off.sport))? };
+    let dport: u16 = unsafe { ctx.read_at(at(off.dport))? };
     let local_is_watched = is_watched(sport);
     let remote_is_watched = is_watched(dport);
     if !local_is_watched && !remote_is_watched {
         return Ok(());
     }
 
-    let family: u16 = unsafe { ctx.read_at(off::FAMILY)? };
+    let family: u16 = unsafe { ctx.read_at(at(off.family))? };
     let mut saddr = [0u8; 16];
     let mut daddr = [0u8; 16];
     match family {
         AF_INET => {
-            let s: [u8; 4] = unsafe { ctx.read_at(off::SADDR)? };
-            let d: [u8; 4] = unsafe { ctx.read_at(off::DADDR)? };
+            let s: [u8; 4] = unsafe { ctx.read_at(at(off.saddr))? };
+            let d: [u8; 4] = unsafe { ctx.read_at(at(off.daddr))? };
             saddr[..4].copy_from_slice(&s);
             daddr[..4].copy_from_slice(&d);
         }
         AF_INET6 => {
-            saddr = unsafe { ctx.read_at(off::SADDR_V6)? };
-            daddr = unsafe { ctx.read_at(off::DADDR_V6)? };
+            saddr = unsafe { ctx.read_at(at(off.saddr_v6))? };
+            daddr = unsafe { ctx.read_at(at(off.daddr_v6))? };
         }
         _ => return Ok(()),
     }
-    let skaddr: u64 = unsafe { ctx.read_at(off::SKADDR)? };
-    let oldstate: i32 = unsafe { ctx.read_at(off::OLDSTATE)? };
-    let newstate: i32 = unsafe { ctx.read_at(off::NEWSTATE)? };
+    let skaddr: u64 = unsafe { ctx.read_at(at(off.skaddr))? };
+    let oldstate: i32 = unsafe { ctx.read_at(at(off.oldstate))? };
+    let newstate: i32 = unsafe { ctx.read_at(at(off.newstate))? };
 
     if remote_is_watched {
         note_owner(skaddr, oldstate, newstate, family, saddr, sport);

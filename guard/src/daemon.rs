@@ -296,7 +296,9 @@ struct Bound {
 
 impl Bound {
     fn port(&self) -> u16 {
-        self.socket.local_addr().map_or(self.addr.port(), |a| a.port())
+        self.socket
+            .local_addr()
+            .map_or(self.addr.port(), |a| a.port())
     }
 
     fn into_tokio(self) -> Result<TcpListener, DaemonError> {

@@ -19,6 +19,10 @@ pub fn run(config: &Config) -> Vec<Check> {
         .collect();
     let ebpf_ready = checks.iter().all(|c| c.result.is_ok());
     checks.push(Check {
+        name: "client closes seen",
+        result: ebpf::close_detection(config.ebpf.enabled),
+    });
+    checks.push(Check {
         name: "cgroups",
         result: cgroups(),
     });

@@ -148,6 +148,23 @@ impl Counting {
         self.lock().open.len()
     }
 
+    /// Sends a request through `guard` that this server holds open, waits until the server
+    /// has it, then resets the client's connection: guard should reap the running request.
+    pub async fn hang_then_leave(&self, guard: SocketAddr) {
+        let before = self.open();
+        let client = crate::http::raw_request(
+            guard,
+            "/v1/chat/completions",
+            &[],
+            &Play::new("hang").json(),
+        )
+        .await;
+        while self.open() == before {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        crate::http::leave(client, crate::http::Leave::Reset);
+    }
+
     /// Starts counting the peak afresh from what is open now.
     pub fn reset_peak(&self) {
         let mut state = self.lock();

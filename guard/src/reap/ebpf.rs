@@ -12,7 +12,7 @@ use aya::{
     maps::{HashMap, MapData, PerCpuArray, RingBuf},
     programs::TracePoint,
 };
-use guard_common::{AF_INET, AF_INET6, Owner, OwnerKey, counter, tracepoint_offsets as off};
+use guard_common::{AF_INET, AF_INET6, Layout, Owner, OwnerKey, counter};
 use tokio::{io::unix::AsyncFd, sync::mpsc, task::JoinHandle};
 
 use super::{event::ConnEvent, mounts};
@@ -39,13 +39,14 @@ pub enum EbpfError {
     )]
     NoTracepoint(std::io::Error),
     #[error(
-        "the tracepoint's field `{field}` is at offset {found:?} on this kernel, guard expects \
-         {expected}: this kernel is not supported yet"
+        "the tracepoint's field `{field}` is {found} on this kernel, guard reads {size} bytes: \
+         this kernel is not supported yet"
     )]
     FormatMismatch {
         field: &'static str,
-        expected: usize,
-        found: Option<usize>,
+        size: usize,
+        /// What the format file says of it: "missing", or its size.
+        found: String,
     },
     #[error("the kernel refused guard's eBPF object: {0}")]
     Load(#[from] aya::EbpfError),
@@ -99,21 +100,34 @@ pub struct Loaded {
 }
 
 impl EbpfTracker {
-    /// Loads and attaches the program, watching `ports`. Needs no runtime; `Loaded::start`
-    /// then begins reading.
+    /// Loads and attaches the program, watching `ports`, with the record layout of this
+    /// kernel's tracepoint. Needs no runtime; `Loaded::start` then begins reading.
     pub fn load(ports: &[u16]) -> Result<Loaded, EbpfError> {
         check_capabilities()?;
-        let tracefs = mounts::ensure_tracefs().map_err(EbpfError::Tracefs)?;
+        let layout = running_layout()?;
+        Self::load_with_layout(ports, layout)
+    }
+
+    /// As `load`, with the layout the caller says (tests hand it a wrong one on purpose, to
+    /// see that the program reads where it is told).
+    pub fn load_with_layout(ports: &[u16], layout: Layout) -> Result<Loaded, EbpfError> {
+        check_capabilities()?;
         if let Err(err) = mounts::ensure_bpffs() {
             // Nothing is pinned, so a missing bpffs costs only bpftool's view of our maps.
             tracing::warn!(%err, "could not mount bpffs at /sys/fs/bpf");
         }
-        check_format(&mounts::tracepoint_format(tracefs).map_err(EbpfError::NoTracepoint)?)?;
-
-        let mut ebpf = Ebpf::load(aya::include_bytes_aligned!(concat!(
-            env!("OUT_DIR"),
-            "/guard-ebpf"
-        )))?;
+        if layout != Layout::KNOWN {
+            tracing::info!(
+                ?layout,
+                "this kernel lays the tracepoint's record out its own way"
+            );
+        }
+        let mut ebpf = aya::EbpfLoader::new()
+            .override_global("LAYOUT", &layout, true)
+            .load(aya::include_bytes_aligned!(concat!(
+                env!("OUT_DIR"),
+                "/guard-ebpf"
+            )))?;
         let logger = aya_log::EbpfLogger::init(&mut ebpf)
             .inspect_err(|err| tracing::warn!(%err, "eBPF log records will not be shown"))
             .ok();
@@ -303,36 +317,47 @@ fn check_capabilities() -> Result<(), EbpfError> {
     }
 }
 
-/// Checks that this kernel lays out the tracepoint's record as guard-ebpf reads it.
-fn check_format(format: &str) -> Result<(), EbpfError> {
-    let expected = [
-        ("skaddr", off::SKADDR),
-        ("oldstate", off::OLDSTATE),
-        ("newstate", off::NEWSTATE),
-        ("sport", off::SPORT),
-        ("dport", off::DPORT),
-        ("family", off::FAMILY),
-        ("protocol", off::PROTOCOL),
-        ("saddr", off::SADDR),
-        ("daddr", off::DADDR),
-        ("saddr_v6", off::SADDR_V6),
-        ("daddr_v6", off::DADDR_V6),
-    ];
-    for (field, expected) in expected {
-        let found = field_offset(format, field);
-        if found != Some(expected) {
-            return Err(EbpfError::FormatMismatch {
-                field,
-                expected,
-                found,
-            });
-        }
-    }
-    Ok(())
+/// The running kernel's layout of the tracepoint's record, from its format file.
+fn running_layout() -> Result<Layout, EbpfError> {
+    let tracefs = mounts::ensure_tracefs().map_err(EbpfError::Tracefs)?;
+    layout_of(&mounts::tracepoint_format(tracefs).map_err(EbpfError::NoTracepoint)?)
 }
 
-/// The offset of `field` in a tracepoint format file.
-fn field_offset(format: &str, field: &str) -> Option<usize> {
+/// Where a format file puts each field the program reads; a field missing or of another size
+/// than the program reads is refused by name (guard then watches clients from user space).
+fn layout_of(format: &str) -> Result<Layout, EbpfError> {
+    let field = |name: &'static str, size: usize| match field_place(format, name) {
+        Some((offset, found)) if found == size => {
+            u32::try_from(offset).map_err(|_| EbpfError::FormatMismatch {
+                field: name,
+                size,
+                found: format!("at offset {offset}"),
+            })
+        }
+        place => Err(EbpfError::FormatMismatch {
+            field: name,
+            size,
+            found: place.map_or_else(|| "missing".to_owned(), |(_, s)| format!("{s} bytes")),
+        }),
+    };
+    Ok(Layout {
+        skaddr: field("skaddr", 8)?,
+        oldstate: field("oldstate", 4)?,
+        newstate: field("newstate", 4)?,
+        sport: field("sport", 2)?,
+        dport: field("dport", 2)?,
+        family: field("family", 2)?,
+        protocol: field("protocol", 2)?,
+        saddr: field("saddr", 4)?,
+        daddr: field("daddr", 4)?,
+        saddr_v6: field("saddr_v6", 16)?,
+        daddr_v6: field("daddr_v6", 16)?,
+        _pad: 0,
+    })
+}
+
+/// The offset and size of `field` in a tracepoint format file.
+fn field_place(format: &str, field: &str) -> Option<(usize, usize)> {
     format.lines().find_map(|line| {
         let mut parts = line.trim().split(';');
         let declaration = parts.next()?.trim();
@@ -341,11 +366,45 @@ fn field_offset(format: &str, field: &str) -> Option<usize> {
         if name != field {
             return None;
         }
-        parts
-            .find_map(|part| part.trim().strip_prefix("offset:"))?
-            .parse()
-            .ok()
+        let value = |key: &str| -> Option<usize> {
+            line.split(';')
+                .find_map(|part| part.trim().strip_prefix(key))?
+                .parse()
+                .ok()
+        };
+        Some((value("offset:")?, value("size:")?))
     })
+}
+
+/// Which way guard learns that a client left, and why: for `guard doctor`.
+pub fn close_detection(enabled: bool) -> Result<String, String> {
+    let why_not = |reason: String| {
+        Err(format!(
+            "from user space (a poll on each client's socket): {reason}"
+        ))
+    };
+    if !enabled {
+        // The operator's choice, not something missing.
+        return Ok(format!(
+            "from user space (a poll on each client's socket): {}",
+            EbpfError::Disabled
+        ));
+    }
+    if let Err(err) = check_capabilities() {
+        return why_not(err.to_string());
+    }
+    match running_layout() {
+        Ok(layout) if layout == Layout::KNOWN => Ok(
+            "eBPF on sock/inet_sock_set_state; the record's layout read from this kernel's \
+             format file (the layout of every kernel tested)"
+                .to_owned(),
+        ),
+        Ok(layout) => Ok(format!(
+            "eBPF on sock/inet_sock_set_state; this kernel's own layout, read from its format \
+             file and handed to the program: {layout:?}"
+        )),
+        Err(err) => why_not(err.to_string()),
+    }
 }
 
 /// Whether the host offers what the loader needs, for `guard doctor`: each item is a check
@@ -378,8 +437,8 @@ pub fn preflight() -> Vec<(&'static str, Result<String, String>)> {
                 .and_then(|tracefs| {
                     let format = mounts::tracepoint_format(tracefs)
                         .map_err(|err| EbpfError::NoTracepoint(err).to_string())?;
-                    check_format(&format).map_err(|err| err.to_string())?;
-                    Ok(format!("{} (layout as expected)", tracefs.display()))
+                    layout_of(&format).map_err(|err| err.to_string())?;
+                    Ok(format!("{} (every field guard reads)", tracefs.display()))
                 }),
         ),
     ]
@@ -392,22 +451,35 @@ mod tests {
     const FORMAT: &str = "name: inet_sock_set_state\nformat:\n\tfield:const void * skaddr;\toffset:8;\tsize:8;\tsigned:0;\n\tfield:__u8 saddr_v6[16];\toffset:40;\tsize:16;\tsigned:0;\n\tfield:__u16 sport;\toffset:24;\tsize:2;\tsigned:0;\n";
 
     #[test]
-    fn field_offsets_are_read_from_the_format_file() {
-        assert_eq!(field_offset(FORMAT, "skaddr"), Some(8));
-        assert_eq!(field_offset(FORMAT, "saddr_v6"), Some(40));
-        assert_eq!(field_offset(FORMAT, "sport"), Some(24));
-        assert_eq!(field_offset(FORMAT, "dport"), None);
+    fn field_places_are_read_from_the_format_file() {
+        assert_eq!(field_place(FORMAT, "skaddr"), Some((8, 8)));
+        assert_eq!(field_place(FORMAT, "saddr_v6"), Some((40, 16)));
+        assert_eq!(field_place(FORMAT, "sport"), Some((24, 2)));
+        assert_eq!(field_place(FORMAT, "dport"), None);
+    }
+
+    /// The format file of Debian's 5.10, 6.1, 6.12 and 7.3 kernels (all the same).
+    const FULL: &str = include_str!("testdata/inet_sock_set_state.format");
+
+    #[test]
+    fn the_known_kernels_give_the_known_layout_and_a_moved_field_is_followed() {
+        assert_eq!(layout_of(FULL).expect("layout"), Layout::KNOWN);
+        let moved = FULL
+            .replace("sport;\toffset:24;", "sport;\toffset:26;")
+            .replace("dport;\toffset:26;", "dport;\toffset:24;");
+        let layout = layout_of(&moved).expect("layout");
+        assert_eq!((layout.sport, layout.dport), (26, 24));
     }
 
     #[test]
-    fn a_different_layout_is_refused_by_name() {
-        let moved = FORMAT.replace("offset:24", "offset:26");
-        let full = format!(
-            "{moved}\tfield:int oldstate;\toffset:16;\n\tfield:int newstate;\toffset:20;\n"
-        );
-        match check_format(&full) {
-            Err(EbpfError::FormatMismatch { field, .. }) => assert_eq!(field, "sport"),
-            other => panic!("expected a mismatch, got {other:?}"),
+    fn a_missing_or_resized_field_is_refused_by_name() {
+        let resized = FULL.replace("sport;\toffset:24;\tsize:2;", "sport;\toffset:24;\tsize:4;");
+        let missing = FULL.replace("field:__u16 family", "field:__u16 famly");
+        for (format, expected) in [(resized, "sport"), (missing, "family")] {
+            match layout_of(&format) {
+                Err(EbpfError::FormatMismatch { field, .. }) => assert_eq!(field, expected),
+                other => panic!("expected a mismatch, got {other:?}"),
+            }
         }
     }
 

@@ -10,3 +10,5 @@ pub mod userspace;
 
 pub use ebpf::{ConnOwner, EbpfError, EbpfTracker, Loaded};
 pub use event::{ConnEvent, TcpState};
+/// The tracepoint record's layout the loader hands the program.
+pub use guard_common::Layout;
