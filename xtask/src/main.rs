@@ -7,7 +7,9 @@ mod conformance;
 mod fuzz;
 mod gpu;
 mod install;
+mod kernels;
 mod llama;
+mod matrix;
 mod modules;
 mod setup;
 mod tasks;
@@ -47,6 +49,13 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Boot Debian's 5.10, 6.1, 6.12 and 7.x kernels under QEMU and run guard's eBPF tests
+    /// in each; prints one table.
+    Kernels {
+        /// Only this series (5.10, 6.1, 6.12, 7.x).
+        #[arg(long)]
+        only: Option<String>,
+    },
     /// Start the release guard briefly and print what its NVML (GPU) path reads.
     GpuCheck,
     /// Print the graph of guard's top-level modules; fail on an import cycle.
@@ -74,6 +83,7 @@ fn main() -> Result<()> {
         Task::Install { root } => install::install(root.as_deref()),
         Task::GpuCheck => tasks::gpu_check(),
         Task::Conformance { args } => conformance::conformance(&args),
+        Task::Kernels { only } => matrix::kernels(only.as_deref()),
         Task::Modules => modules::check(),
     }
 }

@@ -143,7 +143,7 @@ fn cargo() -> Command {
     Command::new(cargo_path())
 }
 
-fn require_root(why: &str) -> Result<()> {
+pub fn require_root(why: &str) -> Result<()> {
     let uid = Command::new("id")
         .arg("-u")
         .output()

@@ -12,6 +12,7 @@ use std::{
     net::{SocketAddr, TcpListener},
     os::unix::process::CommandExt as _,
     process::{Child, Command, ExitCode},
+    time::{Duration, Instant},
 };
 
 use nix::sys::signal::{SigSet, Signal, kill};
@@ -105,8 +106,8 @@ fn through(llama: &str, mut args: Vec<String>) -> ExitCode {
         })
         .collect();
     std::fs::write(&config, guard_config(&listen, private, slots)).expect("write guard.toml");
-    // Blocked before the children exist (they start with an empty mask), so that no signal
-    // is lost between a spawn and the wait.
+    // Blocked before the children exist, so that no signal is lost between a spawn and the
+    // wait; each child unblocks them again (`child`).
     let signals = SigSet::from_iter([Signal::SIGTERM, Signal::SIGINT, Signal::SIGCHLD]);
     signals.thread_block().expect("block signals");
     let mut server = Command::new(llama);
@@ -114,17 +115,30 @@ fn through(llama: &str, mut args: Vec<String>) -> ExitCode {
     if std::env::var_os("AIP_HTTP_PORT").is_some() {
         server.env("AIP_HTTP_PORT", private.to_string());
     }
+    let mut guard = Command::new(env("CONFORMANCE_GUARD"));
+    guard.args(["run", "--config"]).arg(&config);
     let children = [
-        server.spawn().expect("start llama-server"),
-        Command::new(env("CONFORMANCE_GUARD"))
-            .args(["run", "--config"])
-            .arg(&config)
-            .spawn()
-            .expect("start guard"),
+        child(&mut server).expect("start llama-server"),
+        child(&mut guard).expect("start guard"),
     ];
     let code = supervise(children, &signals);
     let _ = std::fs::remove_dir_all(dir);
     code
+}
+
+/// Starts `command` with every signal unblocked (a child inherits the blocked mask) and set
+/// to die with this process, so that a suite that kills this wrapper frees its port.
+fn child(command: &mut Command) -> std::io::Result<Child> {
+    // SAFETY: between fork and exec the closure calls only async-signal-safe functions
+    // (pthread_sigmask and prctl) and allocates nothing.
+    unsafe {
+        command.pre_exec(|| {
+            SigSet::empty().thread_set_mask()?;
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+            Ok(())
+        });
+    }
+    command.spawn()
 }
 
 /// Waits for a signal: a stop request stops both; one child's end stops the other.
@@ -135,14 +149,29 @@ fn supervise(mut children: [Child; 2], signals: &SigSet) -> ExitCode {
             .iter_mut()
             .find_map(|c| c.try_wait().ok().flatten());
         if signal != Signal::SIGCHLD || ended.is_some() {
-            for child in &mut children {
-                let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
-            }
-            for child in &mut children {
-                let _ = child.wait();
-            }
+            stop(&mut children);
             let code = ended.and_then(|status| status.code()).unwrap_or(0);
             return ExitCode::from(u8::try_from(code).unwrap_or(1));
+        }
+    }
+}
+
+/// SIGTERM to both, then SIGKILL to what is still running after `STOP_GRACE` (llama-server
+/// waits for an open stream's client), so the suite's next server finds the port free.
+fn stop(children: &mut [Child; 2]) {
+    const STOP_GRACE: Duration = Duration::from_secs(3);
+    for child in children.iter() {
+        let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
+    }
+    let deadline = Instant::now() + STOP_GRACE;
+    for child in children.iter_mut() {
+        while child.try_wait().ok().flatten().is_none() {
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 }
