@@ -232,6 +232,37 @@ async fn status_and_doctor_read_like_tables() {
     assert!(!doctor.status.success(), "a missing item fails doctor");
 }
 
+/// Watching leaves llama-server free to fall asleep (`--sleep-idle-seconds`): while guard runs
+/// nothing there, the watcher reads only endpoints that answer from the server's cache
+/// (`/slots`, read every tick, kept it awake for good). A request through guard wakes it.
+#[tokio::test(flavor = "multi_thread")]
+async fn watching_lets_an_idle_llama_server_fall_asleep() {
+    let _serial = serial().await;
+    let llama = LlamaServer::start_with(1, &["--sleep-idle-seconds", "1"]).await;
+    // CLASSES has the watcher sample every 200 ms: five times in each idle second.
+    let guard = GuardProcess::start(llama.addr, "openai", CLASSES);
+    let started = Instant::now();
+    let asleep = |props: &serde_json::Value| props["is_sleeping"] == true;
+    loop {
+        let status = get(guard.metrics, "/status").await.expect("status").json();
+        let props = get(llama.addr, "/props").await.expect("props").json();
+        if status["watch"]["upstream"]["up"] == true && asleep(&props) {
+            assert_eq!(status["watch"]["upstream"]["slots"], 1, "{status}");
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "llama-server never fell asleep under guard's watch: {props} {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let body = json!({ "prompt": "Hello", "n_predict": 2 });
+    let answer = post(guard.listen, "/completion", &[], &body).await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let props = get(llama.addr, "/props").await.expect("props").json();
+    assert!(!asleep(&props), "the request woke it: {props}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn status_sets_concurrency_beside_the_llama_server_slots() {
     let _serial = serial().await;
@@ -247,7 +278,10 @@ async fn status_sets_concurrency_beside_the_llama_server_slots() {
         assert!(started.elapsed() < Duration::from_secs(10), "{status}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    assert_eq!(slots, 1, "llama-server's /slots, read by the watcher");
+    assert_eq!(
+        slots, 1,
+        "llama-server's slots (/props), read by the watcher"
+    );
     let output = Command::new(guard_bin())
         .args(["status", "--url", &format!("http://{}", guard.metrics)])
         .output()

@@ -141,7 +141,16 @@ pub async fn run(
     let ttft = Arc::new(TtftWindow::default());
     let tally = Arc::new(Tally::new(&metrics));
     let throughput = Arc::new(proxy::Throughput::default());
-    let watched = watchers::spawn(&config, &metrics, upstream::Client::new(&config.upstream));
+    let running: watchers::RunningFn = {
+        let scheduler = Arc::clone(&scheduler);
+        Arc::new(move || scheduler.load().1)
+    };
+    let watched = watchers::spawn(
+        &config,
+        &metrics,
+        upstream::Client::new(&config.upstream),
+        running,
+    );
     let proxy = Arc::new(Proxy::new(
         &config,
         proxy::Parts {

@@ -130,8 +130,7 @@ fn venv(suite: &Path) -> Result<PathBuf> {
 }
 
 fn build() -> Result<()> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    run(Command::new(cargo).args([
+    run(crate::tasks::cargo().args([
         "build",
         "-p",
         "guard",

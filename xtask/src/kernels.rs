@@ -89,30 +89,14 @@ const GUEST_MEMORY: &str = "512M";
 
 /// Installs what booting needs, once; returns the path to `vng`. Fast when all is present.
 pub fn ensure_tools(cache: &Path) -> Result<PathBuf> {
-    let missing: Vec<&str> = HOST_PACKAGES
+    let missing: Vec<String> = HOST_PACKAGES
         .iter()
         .copied()
-        .filter(|package| !installed(package))
+        .filter(|package| crate::setup::installed_version(package).is_none())
+        .map(str::to_owned)
         .collect();
-    if !missing.is_empty() {
-        eprintln!("kernels: apt: installing {}", missing.join(" "));
-        run(Command::new("apt-get").args(["update", "-q"])).context(
-            "apt-get update failed; fix: check that this machine reaches Debian's package mirror",
-        )?;
-        run(Command::new("apt-get")
-            .args(["install", "-y", "-q", "--no-install-recommends"])
-            .args(&missing)
-            .env("DEBIAN_FRONTEND", "noninteractive"))
-        .context("apt-get install failed; fix: run it by hand as root to see what is missing")?;
-    }
+    crate::setup::apt_install(&missing)?;
     ensure_venv(&cache.join("kernels/venv"))
-}
-
-fn installed(package: &str) -> bool {
-    Command::new("dpkg-query")
-        .args(["-W", "-f=${Status}", package])
-        .output()
-        .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).ends_with(" installed"))
 }
 
 /// virtme-ng in a virtual environment of its own, kept apart from the system's Python.

@@ -5,7 +5,6 @@
 
 use std::{
     path::{Path, PathBuf},
-    process::Command,
     time::Duration,
 };
 
@@ -207,9 +206,8 @@ struct Target {
 
 /// Builds guard and its eBPF test binary; returns the binary's path.
 fn ebpf_test_binary() -> Result<PathBuf> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    run(Command::new(&cargo).args(["build", "-p", "guard"])).context("the build failed")?;
-    let out = Command::new(&cargo)
+    run(crate::tasks::cargo().args(["build", "-p", "guard"])).context("the build failed")?;
+    let out = crate::tasks::cargo()
         .args(["test", "-p", "guard-tests", "--test", "ebpf", "--no-run"])
         .args(["--message-format=json"])
         .output()

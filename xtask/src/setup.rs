@@ -97,6 +97,11 @@ fn apt_packages() -> Result<()> {
             None => (*name).to_owned(),
         })
         .collect();
+    apt_install(&missing)
+}
+
+/// Installs Debian packages (none: nothing to do), after refreshing the index.
+pub fn apt_install(missing: &[String]) -> Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
@@ -106,12 +111,12 @@ fn apt_packages() -> Result<()> {
     )?;
     run(Command::new("apt-get")
         .args(["install", "-y", "-q", "--no-install-recommends"])
-        .args(&missing)
+        .args(missing)
         .env("DEBIAN_FRONTEND", "noninteractive"))
     .context("apt-get install failed; fix: run it by hand as root to see which package is missing")
 }
 
-fn installed_version(package: &str) -> Option<String> {
+pub fn installed_version(package: &str) -> Option<String> {
     let output = Command::new("dpkg-query")
         .args(["-W", "-f=${Status}|${Version}", package])
         .output()

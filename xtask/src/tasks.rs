@@ -139,7 +139,7 @@ fn cargo_path() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
 }
 
-fn cargo() -> Command {
+pub fn cargo() -> Command {
     Command::new(cargo_path())
 }
 

@@ -7,6 +7,8 @@ pub mod gpu;
 pub mod host;
 pub mod upstream;
 
+pub use upstream::RunningFn;
+
 use std::{
     sync::{Arc, Mutex},
     time::Duration,
@@ -95,13 +97,18 @@ impl Watched {
 }
 
 /// Starts every watcher; they run until the runtime stops.
-pub fn spawn(config: &Config, metrics: &Metrics, upstream: Client) -> Arc<Watched> {
+pub fn spawn(
+    config: &Config,
+    metrics: &Metrics,
+    upstream: Client,
+    running: upstream::RunningFn,
+) -> Arc<Watched> {
     let watched = Arc::new(Watched::default());
     watched.set_named_models(config);
     let interval = Duration::from_millis(config.watch.interval_ms);
     let mut host = host::HostWatcher::new(metrics, config);
     let mut gpu = gpu::GpuWatcher::new(metrics);
-    let mut upstream = upstream::UpstreamWatcher::new(metrics, config, upstream);
+    let mut upstream = upstream::UpstreamWatcher::new(metrics, config, upstream, running);
     let shared = Arc::clone(&watched);
     tokio::spawn(async move {
         let mut ticks = tokio::time::interval(interval);

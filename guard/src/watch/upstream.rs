@@ -60,6 +60,9 @@ impl RemoteModels {
     }
 }
 
+/// How many of guard's own requests run at the upstream now.
+pub type RunningFn = std::sync::Arc<dyn Fn() -> usize + Send + Sync>;
+
 /// The upstream's own state as /status shows it: whether it answers, and what its API tells.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct UpstreamState {
@@ -113,6 +116,8 @@ pub struct UpstreamWatcher {
     api: Api,
     /// Read llama-server's `/metrics` too (`watch.upstream_metrics`).
     read_metrics: bool,
+    /// guard's own requests running at the upstream now (the scheduler's count).
+    running: RunningFn,
     up: IntGauge,
     offload: GaugeVec,
     remote: GaugeVec,
@@ -123,7 +128,7 @@ pub struct UpstreamWatcher {
 }
 
 impl UpstreamWatcher {
-    pub fn new(metrics: &Metrics, config: &Config, upstream: Client) -> Self {
+    pub fn new(metrics: &Metrics, config: &Config, upstream: Client, running: RunningFn) -> Self {
         let gauge_vec = |name: &str, help: &str| {
             let g = GaugeVec::new(Opts::new(name, help), &["model"]).expect("valid gauge");
             metrics.register(Box::new(g.clone()));
@@ -138,6 +143,7 @@ impl UpstreamWatcher {
             upstream,
             api: config.upstream.api,
             read_metrics: config.watch.upstream_metrics,
+            running,
             up: gauge(
                 "guard_upstream_up",
                 "1 while the upstream answers its status endpoint.",
@@ -225,6 +231,11 @@ impl UpstreamWatcher {
         }
     }
 
+    /// llama-server, read without disturbing it: `/v1/models` and `/props` answer from its
+    /// cache and touch nothing (asleep, it stays asleep); `/slots` wakes a sleeping server and
+    /// restarts an awake one's idle timer (`--sleep-idle-seconds`), so it is read only while
+    /// guard's own requests run there (the server is awake and working then anyway); its
+    /// `/metrics` resets its throughput gauges for every other scraper, so only where asked.
     async fn sample_llama(&mut self, remote_models: &RemoteModels) -> UpstreamState {
         // The models it serves: only these may name a metric label.
         let models = self
@@ -236,12 +247,15 @@ impl UpstreamWatcher {
             }
             self.saw(&model.id, remote_models);
         }
-        // Its slots, busy or not: reading them changes nothing at the server.
-        let slots = self
-            .json::<Vec<llama::Slot>>(Method::GET, "/slots", None)
-            .await;
-        // Its own queue and KV usage are only in /metrics, and every GET of that resets
-        // llama-server's throughput gauges for every other scraper: read only where asked.
+        let props = self.json::<llama::Props>(Method::GET, "/props", None).await;
+        let sleeping = props.as_ref().is_some_and(|p| p.is_sleeping);
+        let slots = match !sleeping && (self.running)() > 0 {
+            true => {
+                self.json::<Vec<llama::Slot>>(Method::GET, "/slots", None)
+                    .await
+            }
+            false => None,
+        };
         let load = match self.read_metrics {
             true => self
                 .text(Method::GET, "/metrics", None)
@@ -250,14 +264,18 @@ impl UpstreamWatcher {
             false => None,
         };
         // Up when it answers any of them: a server without `--metrics` or `--slots` serves.
-        if models.is_none() && slots.is_none() && load.is_none() {
+        if models.is_none() && props.is_none() && slots.is_none() && load.is_none() {
             self.up.set(0);
             return UpstreamState::down();
         }
         self.up.set(1);
         let busy = load.map(|l| l.processing).or_else(|| {
             let processing = slots.iter().flatten().filter(|s| s.is_processing).count();
-            slots.as_ref().map(|_| processing as f64)
+            // Asleep, it runs nothing.
+            slots
+                .as_ref()
+                .map(|_| processing as f64)
+                .or(sleeping.then_some(0.0))
         });
         if let Some(busy) = busy {
             self.busy.set(busy as i64);
@@ -270,7 +288,9 @@ impl UpstreamWatcher {
             busy,
             deferred: load.map(|l| l.deferred),
             kv_usage: load.and_then(|l| l.kv_usage),
-            slots: slots.map(|slots| slots.len()),
+            slots: slots
+                .map(|slots| slots.len())
+                .or_else(|| props.and_then(|p| p.total_slots)),
             ..UpstreamState::default()
         }
     }

@@ -9,6 +9,10 @@ use serde::Deserialize;
 pub struct Props {
     pub build_info: Option<String>,
     pub model_path: Option<String>,
+    /// Its slots (`--parallel`).
+    pub total_slots: Option<usize>,
+    /// Asleep after `--sleep-idle-seconds` without work: its model unloaded.
+    pub is_sleeping: bool,
 }
 
 /// One entry of `GET /slots`: a slot is one request the server works on at a time.
