@@ -93,9 +93,15 @@ fn through(llama: &str, mut args: Vec<String>) -> ExitCode {
         .or_else(|| value(&args, "-np"))
         .and_then(|n| n.parse().ok())
         .unwrap_or(4);
-    let private = free_port();
-    set_value(&mut args, "--port", private.to_string());
     set_value(&mut args, "--host", "127.0.0.1".to_owned());
+    // Blocked before the children exist, so that no signal is lost between a spawn and the
+    // wait; each child unblocks them again (`child`).
+    let signals = SigSet::from_iter([Signal::SIGTERM, Signal::SIGINT, Signal::SIGCHLD]);
+    signals.thread_block().expect("block signals");
+    let Some((server, private)) = start_llama(llama, &mut args) else {
+        eprintln!("conformance-server: llama-server did not start on any of {ATTEMPTS} ports");
+        return ExitCode::from(1);
+    };
     let dir = std::env::temp_dir().join(format!("conformance-guard-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("conformance-server: a directory for guard's config");
     let config = dir.join("guard.toml");
@@ -106,24 +112,42 @@ fn through(llama: &str, mut args: Vec<String>) -> ExitCode {
         })
         .collect();
     std::fs::write(&config, guard_config(&listen, private, slots)).expect("write guard.toml");
-    // Blocked before the children exist, so that no signal is lost between a spawn and the
-    // wait; each child unblocks them again (`child`).
-    let signals = SigSet::from_iter([Signal::SIGTERM, Signal::SIGINT, Signal::SIGCHLD]);
-    signals.thread_block().expect("block signals");
-    let mut server = Command::new(llama);
-    server.args(&args);
-    if std::env::var_os("AIP_HTTP_PORT").is_some() {
-        server.env("AIP_HTTP_PORT", private.to_string());
-    }
     let mut guard = Command::new(env("CONFORMANCE_GUARD"));
     guard.args(["run", "--config"]).arg(&config);
-    let children = [
-        child(&mut server).expect("start llama-server"),
-        child(&mut guard).expect("start guard"),
-    ];
+    let children = [server, child(&mut guard).expect("start guard")];
     let code = supervise(children, &signals);
     let _ = std::fs::remove_dir_all(dir);
     code
+}
+
+/// Ports tried for llama-server: one asked free a moment ago may be taken by the time it
+/// binds (any client's connection may get it as its own port).
+const ATTEMPTS: usize = 5;
+
+/// Starts llama-server on a free loopback port, trying another where it exits before it
+/// listens; returns it and its port.
+fn start_llama(llama: &str, args: &mut Vec<String>) -> Option<(Child, u16)> {
+    for _ in 0..ATTEMPTS {
+        let private = free_port();
+        set_value(args, "--port", private.to_string());
+        let mut server = Command::new(llama);
+        server.args(args.iter());
+        if std::env::var_os("AIP_HTTP_PORT").is_some() {
+            server.env("AIP_HTTP_PORT", private.to_string());
+        }
+        let mut server = child(&mut server).expect("start llama-server");
+        // It listens before it loads the model (answering 503 meanwhile).
+        loop {
+            if server.try_wait().ok().flatten().is_some() {
+                break;
+            }
+            if std::net::TcpStream::connect(("127.0.0.1", private)).is_ok() {
+                return Some((server, private));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    None
 }
 
 /// Starts `command` with every signal unblocked (a child inherits the blocked mask) and set
@@ -184,11 +208,10 @@ fn guard_config(listen: &[String], upstream: u16, slots: u32) -> String {
         .map(|addr| format!("\"{addr}\""))
         .collect::<Vec<_>>()
         .join(", ");
-    let metrics = free_port();
     format!(
         "[server]\nlisten = [{listen}]\ndrain_grace_ms = 0\n\
          [upstream]\nurl = \"http://127.0.0.1:{upstream}\"\napi = \"openai\"\nmax_concurrency = {slots}\n\
-         [metrics]\nlisten = \"127.0.0.1:{metrics}\"\n\
+         [metrics]\nlisten = \"127.0.0.1:0\"\n\
          [classify]\ndefault = \"suite\"\n\
          [class.suite]\npriority = 0\nmax_queue = 1000\n"
     )
