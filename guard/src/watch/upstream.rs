@@ -249,7 +249,8 @@ impl UpstreamWatcher {
         }
         let props = self.json::<llama::Props>(Method::GET, "/props", None).await;
         let sleeping = props.as_ref().is_some_and(|p| p.is_sleeping);
-        let slots = match !sleeping && (self.running)() > 0 {
+        let own = (self.running)();
+        let slots = match !sleeping && own > 0 {
             true => {
                 self.json::<Vec<llama::Slot>>(Method::GET, "/slots", None)
                     .await
@@ -269,23 +270,22 @@ impl UpstreamWatcher {
             return UpstreamState::down();
         }
         self.up.set(1);
-        let busy = load.map(|l| l.processing).or_else(|| {
-            let processing = slots.iter().flatten().filter(|s| s.is_processing).count();
-            // Asleep, it runs nothing.
-            slots
-                .as_ref()
-                .map(|_| processing as f64)
-                .or(sleeping.then_some(0.0))
-        });
-        if let Some(busy) = busy {
-            self.busy.set(busy as i64);
-        }
+        // Without /metrics or /slots: what guard itself has running there (none while the
+        // server sleeps), never the last reading left standing.
+        let busy = load
+            .map(|l| l.processing)
+            .or_else(|| {
+                let processing = slots.iter().flatten().filter(|s| s.is_processing).count();
+                slots.as_ref().map(|_| processing as f64)
+            })
+            .unwrap_or(own as f64);
+        self.busy.set(busy as i64);
         if let Some(load) = load {
             self.deferred.set(load.deferred as i64);
         }
         UpstreamState {
             up: true,
-            busy,
+            busy: Some(busy),
             deferred: load.map(|l| l.deferred),
             kv_usage: load.and_then(|l| l.kv_usage),
             slots: slots
