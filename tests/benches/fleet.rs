@@ -32,10 +32,7 @@ const BOX: &str = "[upstream]\nmax_concurrency = 1\n\
                    [class.batch]\npriority = 10\nmax_queue = 3\n";
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let runtime = guard_tests::bench_runtime();
     runtime.block_on(async {
         println!("fleet: {BOXES} guards (one slot, 3 batch places each) behind HAProxy; {BATCH_CLIENTS} batch clients (jobs of 0.1 to 1.2 s), {CHATS} chat clients, {} s per mode", RUN.as_secs());
         println!("   {:<14} {:>12} {:>12} {:>16} {:>16}", "mode", "batch 503", "chat 503", "chat TTFT p95", "batch jobs done");

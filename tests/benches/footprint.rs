@@ -21,10 +21,7 @@ fn usage(pid: u32) -> (u64, f64) {
 }
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let runtime = guard_tests::bench_runtime();
     runtime.block_on(async {
         let ollama = OllamaEmulator::start(&["--tokens", "3", "--token-delay-ms", "1", "--load-ms", "0"]);
         let guard = GuardProcess::start(

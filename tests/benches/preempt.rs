@@ -15,10 +15,7 @@ const CLASSES: &str = "[class.interactive]\npriority = 0\nmax_queue = 8\ndeadlin
                        [class.batch]\npriority = 10\nmax_queue = 1000\n";
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let runtime = guard_tests::bench_runtime();
     runtime.block_on(bench());
 }
 

@@ -33,10 +33,7 @@ struct Scenario {
 
 fn main() {
     guard_tests::require_root();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let runtime = guard_tests::bench_runtime();
     runtime.block_on(async {
         println!(
             "interactive chats through guard ({CHATS}, one at a time, deadline {DEADLINE_MS} ms) while a second llama-server extracts in the batch cgroup:"

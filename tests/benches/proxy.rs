@@ -33,10 +33,7 @@ use table::{client, timed};
 const REJECTIONS: usize = 2_000;
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let runtime = guard_tests::bench_runtime();
     let only: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with('-'))

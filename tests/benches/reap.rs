@@ -15,10 +15,7 @@ const SAMPLES: usize = 300;
 const CLASSES: &str = "[class.interactive]\npriority = 0\nmax_queue = 8\n[class.batch]\npriority = 10\nmax_queue = 1000\n";
 
 fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let runtime = guard_tests::bench_runtime();
     runtime.block_on(async {
         let us = |d: Duration| d.as_secs_f64() * 1e6;
         println!("1. reap latency, client close() returned -> request dropped in guard, {SAMPLES} queued requests each:");

@@ -217,3 +217,11 @@ pub fn rss_bytes(pid: u32) -> u64 {
         .map(|kb| kb * 1024)
         .expect("VmRSS")
 }
+
+/// The runtime a benchmark's `main` runs on: tokio's default multi-threaded one.
+pub fn bench_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}

@@ -23,12 +23,6 @@ impl Listen {
     }
 }
 
-impl From<SocketAddr> for Listen {
-    fn from(addr: SocketAddr) -> Self {
-        Self::one(addr)
-    }
-}
-
 impl fmt::Display for Listen {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for (n, addr) in self.0.iter().enumerate() {

@@ -105,13 +105,18 @@ impl EbpfTracker {
     pub fn load(ports: &[u16]) -> Result<Loaded, EbpfError> {
         check_capabilities()?;
         let layout = running_layout()?;
-        Self::load_with_layout(ports, layout)
+        Self::load_checked(ports, layout)
     }
 
     /// As `load`, with the layout the caller says (tests hand it a wrong one on purpose, to
     /// see that the program reads where it is told).
     pub fn load_with_layout(ports: &[u16], layout: Layout) -> Result<Loaded, EbpfError> {
         check_capabilities()?;
+        Self::load_checked(ports, layout)
+    }
+
+    /// Loads and attaches once the capabilities are known to be held.
+    fn load_checked(ports: &[u16], layout: Layout) -> Result<Loaded, EbpfError> {
         if let Err(err) = mounts::ensure_bpffs() {
             // Nothing is pinned, so a missing bpffs costs only bpftool's view of our maps.
             tracing::warn!(%err, "could not mount bpffs at /sys/fs/bpf");
