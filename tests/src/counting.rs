@@ -5,9 +5,9 @@
 //! An exchange is in flight from its request's last byte until its answer's last byte is
 //! handed to the kernel (counted just before: guard may read it and send the next request
 //! on the same kept-alive connection before this task runs again) or the connection is seen
-//! closed. When a request arrives, the server first looks
-//! at every other open exchange's socket (a non-blocking peek) so a close that guard made
-//! before sending it is counted before it: the peak is what guard really had open.
+//! closed. When a request arrives, the server first looks at every open exchange's socket,
+//! its own included (a non-blocking peek), so a close that guard made before sending it is
+//! counted before it: the peak is what guard really had open.
 
 use std::{
     collections::HashMap,
@@ -228,10 +228,12 @@ impl Counting {
 
     fn begin(&self, fd: RawFd, head: String, play: &Play) -> u64 {
         let mut state = self.lock();
-        // Closes guard made before this request came are counted first.
-        state.open.retain(|_, other| !peer_closed(*other));
         let id = state.exchanges.len() as u64;
         state.open.insert(id, fd);
+        // Closes guard made before this request came are counted first, this exchange's own
+        // too: a request read late, behind the close guard sent after it (its permit already
+        // given to a request begun here before it), was never open beside that one.
+        state.open.retain(|_, open| !peer_closed(*open));
         state.peak = state.peak.max(state.open.len());
         state.exchanges.push(Exchange {
             id: play.id,
