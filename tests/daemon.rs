@@ -1,7 +1,8 @@
 //! `guard run` and `guard check-config` as a user meets them: the metrics listener shows
 //! `guard_ebpf_attached 1` as root and 0 without privileges (with one line saying why), a bad
 //! config exits 64 naming file, line and key, SIGTERM exits 0 and detaches, and several
-//! listen addresses (IPv4 and IPv6) each serve and reap, while overlapping ones are refused.
+//! listen addresses (IPv4 and IPv6) each serve and reap, while overlapping ones are refused;
+//! idle client connections are parked outside hyper and go on where they stopped.
 
 use std::process::Command;
 
@@ -156,4 +157,105 @@ fn overlapping_listen_addresses_are_refused_naming_the_key() {
         assert!(stderr.contains(&format!(": {key}: ")), "{text}: {stderr}");
         assert!(stderr.contains("overlaps"), "{stderr}");
     }
+}
+
+/// Reads one whole answer with a Content-Length body from a kept-alive connection.
+async fn read_answer(stream: &mut tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt as _;
+    let mut seen = Vec::new();
+    let mut buffer = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&seen).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length: usize = head
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")?
+                        .trim()
+                        .parse()
+                        .ok()
+                })
+                .unwrap_or(0);
+            if body.len() >= length {
+                return text;
+            }
+        }
+        let n = stream.read(&mut buffer).await.expect("read");
+        assert!(n > 0, "guard closed a kept-alive connection: {text}");
+        seen.extend_from_slice(&buffer[..n]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_connections_are_parked_and_go_on_where_they_stopped() {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let upstream = guard_tests::http::scripted_upstream(|head| {
+        head.starts_with(b"GET ").then(|| {
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+                .to_vec()
+        })
+    })
+    .await;
+    let mut guard = GuardProcess::start(
+        upstream,
+        "ollama",
+        "[server]\nheader_read_timeout_ms = 1500\n",
+    );
+    let get = b"GET /api/tags HTTP/1.1\r\nhost: g\r\n\r\n";
+    let mut client = tokio::net::TcpStream::connect(guard.listen)
+        .await
+        .expect("connect");
+    // A connection that has sent nothing waits outside hyper; so does one between requests.
+    guard.wait_for_metric("guard_connections_parked", 1.0).await;
+    for _ in 0..3 {
+        client.write_all(get).await.expect("send");
+        assert!(read_answer(&mut client).await.starts_with("HTTP/1.1 200"));
+        guard.wait_for_metric("guard_connections_parked", 1.0).await;
+    }
+    // Two requests in one write; then one and the start of the next, the rest of it a moment
+    // later (hyper had read that start when the connection was parked): each answered once,
+    // in order, on the same connection.
+    client
+        .write_all(&[&get[..], &get[..]].concat())
+        .await
+        .expect("send");
+    assert!(read_answer(&mut client).await.starts_with("HTTP/1.1 200"));
+    assert!(read_answer(&mut client).await.starts_with("HTTP/1.1 200"));
+    client
+        .write_all(&[&get[..], &get[..11]].concat())
+        .await
+        .expect("send");
+    assert!(read_answer(&mut client).await.starts_with("HTTP/1.1 200"));
+    // The second head's shape on the wire (two segments), not a wait for a state.
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    client.write_all(&get[11..]).await.expect("send");
+    assert!(read_answer(&mut client).await.starts_with("HTTP/1.1 200"));
+
+    // A head begun and never finished is cut off once its time is up, counted from the last
+    // answer however the wait was spent (hyper, too, closes without an answer then).
+    let answered = std::time::Instant::now();
+    client.write_all(b"GET /api/ta").await.expect("send");
+    let mut rest = Vec::new();
+    let _ = client.read_to_end(&mut rest).await;
+    let waited = answered.elapsed();
+    assert!(rest.is_empty(), "{}", String::from_utf8_lossy(&rest));
+    assert!(
+        waited > std::time::Duration::from_millis(1000)
+            && waited < std::time::Duration::from_secs(5),
+        "{waited:?}"
+    );
+
+    // A parked connection does not hold guard up at SIGTERM; it is closed.
+    let mut parked = tokio::net::TcpStream::connect(guard.listen)
+        .await
+        .expect("connect");
+    parked.write_all(get).await.expect("send");
+    read_answer(&mut parked).await;
+    guard.wait_for_metric("guard_connections_parked", 1.0).await;
+    let stopping = std::time::Instant::now();
+    assert!(guard.terminate().is_some_and(|s| s.success()));
+    assert!(stopping.elapsed() < std::time::Duration::from_secs(5));
+    let mut left = Vec::new();
+    assert_eq!(parked.read_to_end(&mut left).await.expect("closed"), 0);
 }

@@ -7,6 +7,8 @@
 //! 2. A guard process with real connections: RSS for 10,000 idle keep-alive connections
 //!    (goal: 64 MiB), then for 10,000 requests waiting on them (goal: 2 KiB each beyond its
 //!    connection and its body).
+//!
+//! `cargo xtask bench scale lines` (or `connections`) runs one part.
 
 use std::{
     alloc::{GlobalAlloc, Layout, System},
@@ -60,9 +62,18 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let wanted = |part: &str| only.is_empty() || only.iter().any(|o| o == part);
     runtime.block_on(async {
-        lines().await;
-        connections().await;
+        if wanted("lines") {
+            lines().await;
+        }
+        if wanted("connections") {
+            connections().await;
+        }
     });
 }
 
@@ -237,6 +248,10 @@ async fn connections() {
     guard
         .wait_for_metric("guard_connections", CONNECTIONS as f64)
         .await;
+    // Each waits for its first request outside hyper.
+    guard
+        .wait_for_metric("guard_connections_parked", CONNECTIONS as f64)
+        .await;
     let fresh = rss_bytes(guard.pid());
     // One request and its answer on each: a kept-alive connection, as a client leaves it.
     let get = b"GET /api/tags HTTP/1.1\r\nhost: g\r\n\r\n";
@@ -250,6 +265,10 @@ async fn connections() {
             answer.extend_from_slice(&buf[..n]);
         }
     }
+    // Parked again, between requests.
+    guard
+        .wait_for_metric("guard_connections_parked", CONNECTIONS as f64)
+        .await;
     let connected = rss_bytes(guard.pid());
     let body = r#"{"model":"m","prompt":"x"}"#;
     let request = format!(

@@ -69,6 +69,7 @@ pub struct Metrics {
     pub at_risk: IntGaugeVec,
     pub body_bytes_in_flight: IntGauge,
     pub connections: IntGauge,
+    pub connections_parked: IntGauge,
     pub connections_refused_total: IntCounterVec,
 }
 
@@ -280,6 +281,11 @@ impl Metrics {
                 "Client connections open on the proxy listener.",
             )
             .expect("valid gauge"),
+            connections_parked: IntGauge::new(
+                "guard_connections_parked",
+                "Of the client connections, those idle between requests and parked outside hyper (holding only their socket).",
+            )
+            .expect("valid gauge"),
             connections_refused_total: counter_vec(
                 "guard_connections_refused_total",
                 "Connections closed at once because their listener was full (proxy: server.max_connections, metrics: metrics.max_connections, agent: 64).",
@@ -331,6 +337,7 @@ impl Metrics {
             Box::new(self.at_risk.clone()),
             Box::new(self.body_bytes_in_flight.clone()),
             Box::new(self.connections.clone()),
+            Box::new(self.connections_parked.clone()),
             Box::new(self.connections_refused_total.clone()),
         ];
         for collector in collectors {

@@ -41,6 +41,10 @@ impl<I> Lingering<I> {
             drain: None,
         }
     }
+
+    pub fn get_ref(&self) -> &I {
+        &self.inner
+    }
 }
 
 impl<I: AsyncRead + Unpin> Lingering<I> {

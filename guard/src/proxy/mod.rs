@@ -6,6 +6,7 @@ mod client_body;
 pub mod error;
 mod linger;
 pub mod outcome;
+mod park;
 mod passthrough;
 mod request;
 mod serve;
@@ -18,8 +19,8 @@ use std::{
     time::Duration,
 };
 
+use crate::proxy::park::Inbound;
 use http::{Method, Request, Response};
-use hyper::body::Incoming;
 
 pub use error::{ErrorShape, ProxyError};
 pub use serve::{serve, serve_connection, stop_requested};
@@ -207,7 +208,7 @@ impl Proxy {
     /// everything else passes through.
     async fn handle(
         self: &Arc<Self>,
-        request: Request<Incoming>,
+        request: Request<Inbound>,
         connection: &Arc<crate::reap::registry::Connection>,
     ) -> Response<Body> {
         let settings = self.settings();

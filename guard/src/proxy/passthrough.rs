@@ -10,11 +10,11 @@ use std::{
     task::{Context, Poll},
 };
 
+use crate::proxy::park::Inbound;
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::BodyExt as _;
-use hyper::body::Incoming;
 
 use super::{ErrorShape, Proxy, ProxyError, Settings};
 use crate::upstream::{Body, BoxError};
@@ -68,7 +68,7 @@ impl HttpBody for Holding {
 pub(super) async fn handle(
     proxy: &Proxy,
     settings: &Settings,
-    request: Request<Incoming>,
+    request: Request<Inbound>,
     shape: ErrorShape,
 ) -> Response<Body> {
     let response = match Slot::take(&proxy.passing, settings.max_passthrough) {
@@ -88,7 +88,7 @@ pub(super) async fn handle(
     response
 }
 
-async fn relay(proxy: &Proxy, request: Request<Incoming>, shape: ErrorShape) -> Response<Body> {
+async fn relay(proxy: &Proxy, request: Request<Inbound>, shape: ErrorShape) -> Response<Body> {
     // A request without a body (GET /api/tags, /v1/models) can be sent again safely.
     let sent = if request.body().is_end_stream() {
         let (head, _) = request.into_parts();

@@ -1,24 +1,34 @@
 //! The proxy listener: accepts client connections and serves each with hyper until it ends,
-//! its client is known to have left, or guard stops.
+//! its client is known to have left, or guard stops; between requests an idle connection is
+//! parked outside hyper (`park`).
 
-use std::{convert::Infallible, net::SocketAddr, sync::Arc, time::Duration};
+use std::{convert::Infallible, net::SocketAddr, pin::Pin, sync::Arc, task::Poll, time::Duration};
 
-use hyper::{server::conn::http1, service::service_fn};
-use hyper_util::{
-    rt::{TokioIo, TokioTimer},
-    server::graceful::{GracefulShutdown, Watcher},
+use bytes::{Bytes, BytesMut};
+use http::{Request, Response};
+use hyper::{
+    body::Incoming,
+    server::conn::http1,
+    service::{Service, service_fn},
 };
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::{
-    io::{AsyncRead, AsyncWrite},
     net::{TcpListener, TcpStream},
     sync::watch,
+    time::Instant,
 };
+use tokio_util::task::TaskTracker;
 
-use super::{ErrorShape, Proxy, ProxyError, linger::Lingering, workers::Workers};
+use super::{
+    ErrorShape, Proxy, ProxyError,
+    linger::Lingering,
+    park::{Activity, Inbound, Outbound, Parkable, Watched},
+    workers::Workers,
+};
 use crate::{
     config::Api,
     listen::{Accepted, Acceptor, Arrival},
-    reap::userspace,
+    reap::{registry::Connection, userspace},
 };
 
 /// hyper's buffer limit for a client connection (its default is 400 KiB).
@@ -34,7 +44,7 @@ pub async fn serve(
     grace: Duration,
     workers: Workers,
 ) {
-    let graceful = GracefulShutdown::new();
+    let open = TaskTracker::new();
     let refused = proxy
         .metrics
         .connections_refused_total
@@ -79,23 +89,21 @@ pub async fn serve(
                 stream,
                 watched,
                 peer,
-                graceful: graceful.watcher(),
+                shutdown: shutdown.clone(),
             })
         });
-        workers.next().spawn(async move {
+        workers.next().spawn(open.track_future(async move {
             match serving {
                 Ok(serving) => serving.serve().await,
                 Err(err) => tracing::warn!(%peer, %err, "cannot hand the connection over"),
             }
             drop(place);
             metrics.connections.dec();
-        });
+        }));
     }
     drop(acceptor);
-    if tokio::time::timeout(grace, graceful.shutdown())
-        .await
-        .is_err()
-    {
+    open.close();
+    if tokio::time::timeout(grace, open.wait()).await.is_err() {
         tracing::warn!(
             grace_ms = grace.as_millis(),
             "connections still open after the grace period"
@@ -113,7 +121,8 @@ struct Handover {
     peer: SocketAddr,
     /// The listener's address the client reached.
     local: SocketAddr,
-    graceful: Watcher,
+    /// Turns true when guard stops.
+    shutdown: watch::Receiver<bool>,
 }
 
 impl Handover {
@@ -125,7 +134,7 @@ impl Handover {
             watched,
             peer,
             local,
-            graceful,
+            shutdown,
         } = self;
         let registered = TcpStream::from_std(stream).and_then(|stream| {
             let watched = watched.map(TcpStream::from_std).transpose()?;
@@ -133,7 +142,7 @@ impl Handover {
         });
         match registered {
             Ok((stream, watched)) => {
-                serve_connection(proxy, stream, (peer, local), watched, Some(graceful)).await;
+                serve_connection(proxy, stream, (peer, local), watched, Some(shutdown)).await;
             }
             Err(err) => tracing::warn!(%peer, %err, "cannot serve the connection"),
         }
@@ -149,33 +158,208 @@ fn refuse(stream: &TcpStream, api: Api) {
     let _ = stream.try_write(&ProxyError::TooManyConnections.raw_response(shape));
 }
 
-/// Serves one client connection (from `peer`, to guard's `local` address) until it ends or its client is known to have left; then
-/// every request still riding on it learns so (`Connection::gone`).
-pub fn serve_connection<I>(
+/// Serves one client connection (from `peer`, to guard's `local` address) until it ends or
+/// its client is known to have left; then every request still riding on it learns so
+/// (`Connection::gone`). With `shutdown` true, a request being served is finished and the
+/// connection closes.
+pub fn serve_connection<I: Parkable>(
     proxy: Arc<Proxy>,
     io: I,
     (peer, local): (SocketAddr, SocketAddr),
     watched: Option<TcpStream>,
-    graceful: Option<Watcher>,
-) -> impl Future<Output = ()> + Send + use<I>
-where
-    I: AsyncRead + AsyncWrite + Send + Unpin + 'static,
-{
+    shutdown: Option<watch::Receiver<bool>>,
+) -> impl Future<Output = ()> + Send + use<I> {
     let connection = proxy.connections.register(peer, local);
     let half_close = proxy.half_close_means_gone();
-    let service = {
-        let proxy = Arc::clone(&proxy);
-        let connection = Arc::clone(&connection);
-        service_fn(move |request| {
-            let proxy = Arc::clone(&proxy);
-            let connection = Arc::clone(&connection);
-            async move { Ok::<_, Infallible>(proxy.handle(request, &connection).await) }
+    async move {
+        let watch = async {
+            match watched {
+                Some(socket) => userspace::watch(socket, &connection, half_close).await,
+                None => std::future::pending().await,
+            }
+        };
+        let io = Lingering::new(io, Arc::clone(&connection));
+        tokio::select! {
+            biased;
+            // The client left (or guard cut the connection): dropping hyper's side closes the
+            // socket, and the requests on it conclude as they see `gone`.
+            () = connection.gone() => {}
+            () = watch => {}
+            () = sessions(&proxy, io, &connection, shutdown) => {}
+        }
+        connection.end();
+        proxy.connections.unregister(&connection);
+    }
+}
+
+/// hyper serves the connection while requests come; whenever it waits for the next request
+/// with nothing left to send, the socket is taken back and parked, holding no buffer, until
+/// the client sends again. hyper's header-read timeout holds across: a connection that
+/// completes no request head within it from its last answer (or its accept) is closed.
+async fn sessions<I: Parkable>(
+    proxy: &Arc<Proxy>,
+    mut io: Lingering<I>,
+    connection: &Arc<Connection>,
+    mut shutdown: Option<watch::Receiver<bool>>,
+) {
+    let timeout = proxy.header_read_timeout;
+    let mut deadline = Instant::now() + timeout;
+    let mut leftover = Bytes::new();
+    loop {
+        if I::PARKS && !park(proxy, &io, deadline, &mut shutdown).await {
+            return;
+        }
+        let activity = Arc::new(Activity::default());
+        let session = Session {
+            proxy,
+            connection,
+            activity: &activity,
+            deadline,
+        };
+        let Some((back, rest)) = session.run(io, leftover, &mut shutdown).await else {
+            return;
+        };
+        (io, leftover) = (back, rest);
+        if activity.take_heads() > 0 {
+            deadline = Instant::now() + timeout;
+        }
+    }
+}
+
+/// Waits, holding only the socket, until the client sends (true), or until the connection is
+/// to close (false): its next request head is due (hyper, too, closes without a word then),
+/// or guard stops.
+async fn park<I: Parkable>(
+    proxy: &Proxy,
+    io: &Lingering<I>,
+    deadline: Instant,
+    shutdown: &mut Option<watch::Receiver<bool>>,
+) -> bool {
+    // Counted while parked, however the wait ends (the client may leave meanwhile).
+    let _parked = Counted::new(&proxy.metrics.connections_parked);
+    tokio::select! {
+        biased;
+        () = stopping(shutdown) => false,
+        () = tokio::time::sleep_until(deadline) => false,
+        ready = io.get_ref().readable() => ready.is_ok(),
+    }
+}
+
+/// One unit of a gauge, for as long as it lives.
+struct Counted<'a>(&'a prometheus::IntGauge);
+
+impl<'a> Counted<'a> {
+    fn new(gauge: &'a prometheus::IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// One stretch of a connection in hyper's hands.
+struct Session<'a> {
+    proxy: &'a Arc<Proxy>,
+    connection: &'a Arc<Connection>,
+    activity: &'a Arc<Activity>,
+    /// The next request head must be complete by then.
+    deadline: Instant,
+}
+
+impl Session<'_> {
+    /// Serves requests until hyper waits for the next with nothing left to send: returns the
+    /// socket and what hyper read of a next request; None once the connection is over.
+    async fn run<I: Parkable>(
+        self,
+        io: Lingering<I>,
+        leftover: Bytes,
+        shutdown: &mut Option<watch::Receiver<bool>>,
+    ) -> Option<(Lingering<I>, Bytes)> {
+        let remaining = self.deadline.saturating_duration_since(Instant::now());
+        let io = Watched::new(io, leftover, Arc::clone(self.activity));
+        let half_close = self.proxy.half_close_means_gone();
+        // Boxed: while the connection is parked, none of hyper's state is held.
+        let mut hyper = Box::new(
+            builder(remaining, half_close).serve_connection(TokioIo::new(io), self.service()),
+        );
+        let mut stop = std::pin::pin!(stopping(shutdown));
+        let (mut stopping, mut parks) = (false, I::PARKS);
+        let parked = std::future::poll_fn(|cx| {
+            if !stopping && stop.as_mut().poll(cx).is_ready() {
+                stopping = true;
+                Pin::new(&mut *hyper).graceful_shutdown();
+            }
+            if let Poll::Ready(result) = Pin::new(&mut *hyper).poll(cx) {
+                return Poll::Ready(ended(result, self.connection));
+            }
+            if stopping || !parks || !self.activity.take_waiting() {
+                return Poll::Pending;
+            }
+            // Idle, hyper closes at once without a word on the wire; and its shutdown of the
+            // socket is skipped, so the socket comes back whole.
+            self.activity.set_parking(true);
+            Pin::new(&mut *hyper).graceful_shutdown();
+            match Pin::new(&mut *hyper).poll(cx) {
+                Poll::Ready(Ok(())) => Poll::Ready(true),
+                Poll::Ready(result) => Poll::Ready(ended(result, self.connection)),
+                Poll::Pending => {
+                    // hyper was not idle after all: it ends the connection after this
+                    // exchange, and closes the socket as it always does.
+                    self.activity.set_parking(false);
+                    parks = false;
+                    Poll::Pending
+                }
+            }
         })
-    };
-    let io = Lingering::new(io, Arc::clone(&connection));
-    let serving = http1::Builder::new()
+        .await;
+        if !parked {
+            return None;
+        }
+        let parts = hyper.into_parts();
+        let (io, unread) = parts.io.into_inner().into_parts();
+        // Copied: the bytes hyper read keep its whole read buffer alive.
+        let mut rest = BytesMut::with_capacity(parts.read_buf.len() + unread.len());
+        rest.extend_from_slice(&parts.read_buf);
+        rest.extend_from_slice(&unread);
+        Some((io, rest.freeze()))
+    }
+
+    /// The proxy's handler, each request's body and answer carrying a token of the session's
+    /// activity.
+    fn service(
+        &self,
+    ) -> impl Service<
+        Request<Incoming>,
+        Response = Response<Outbound<crate::upstream::Body>>,
+        Error = Infallible,
+        Future: Send + 'static,
+    > + Send
+    + Unpin
+    + 'static {
+        let (proxy, connection) = (Arc::clone(self.proxy), Arc::clone(self.connection));
+        let activity = Arc::clone(self.activity);
+        service_fn(move |request: Request<Incoming>| {
+            let (inbound, outbound) = activity.begin();
+            let request = request.map(|body| Inbound::new(body, inbound));
+            let (proxy, connection) = (Arc::clone(&proxy), Arc::clone(&connection));
+            async move {
+                let response = proxy.handle(request, &connection).await;
+                Ok::<_, Infallible>(response.map(|body| Outbound::new(body, outbound)))
+            }
+        })
+    }
+}
+
+/// hyper's settings for a client connection; `head_within` bounds its next request head.
+fn builder(head_within: Duration, half_close_means_gone: bool) -> http1::Builder {
+    let mut builder = http1::Builder::new();
+    builder
         .timer(TokioTimer::new())
-        .header_read_timeout(proxy.header_read_timeout)
+        .header_read_timeout(head_within)
         // A connection's read and write buffers stay this small however large the body: a
         // request head over it is refused (431), and thousands of waiting clients hold only
         // their bodies.
@@ -188,34 +372,23 @@ where
         .title_case_headers(true)
         // hyper, too, ends a connection whose client half-closed with a request pending,
         // unless told that clients may half-close on purpose.
-        .half_close(!half_close)
-        .serve_connection(TokioIo::new(io), service);
-    let serving: std::pin::Pin<Box<dyn Future<Output = hyper::Result<()>> + Send>> = match graceful
-    {
-        Some(graceful) => Box::pin(graceful.watch(serving)),
-        None => Box::pin(serving),
-    };
-    async move {
-        let watch = async {
-            match watched {
-                Some(socket) => userspace::watch(socket, &connection, half_close).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            biased;
-            // The client left (or guard cut the connection): dropping hyper's side closes the
-            // socket, and the requests on it conclude as they see `gone`.
-            () = connection.gone() => {}
-            () = watch => {}
-            result = serving => {
-                if let Err(err) = result {
-                    tracing::debug!(%peer, %err, "client connection ended with an error");
-                }
-            }
-        }
-        connection.end();
-        proxy.connections.unregister(&connection);
+        .half_close(!half_close_means_gone);
+    builder
+}
+
+/// The connection is over; hyper's error, if any, is logged.
+fn ended(result: hyper::Result<()>, connection: &Connection) -> bool {
+    if let Err(err) = result {
+        tracing::debug!(peer = %connection.peer, %err, "client connection ended with an error");
+    }
+    false
+}
+
+/// Resolves once guard stops; never without a shutdown signal.
+async fn stopping(shutdown: &mut Option<watch::Receiver<bool>>) {
+    match shutdown {
+        Some(shutdown) => stop_requested(shutdown).await,
+        None => std::future::pending().await,
     }
 }
 

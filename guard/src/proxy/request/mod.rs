@@ -12,8 +12,8 @@ mod relay;
 
 use std::{sync::Arc, time::Duration};
 
+use crate::proxy::park::Inbound;
 use http::{HeaderValue, Request, Response};
-use hyper::body::Incoming;
 use tokio::{sync::oneshot, time::Instant};
 
 use super::{
@@ -41,7 +41,7 @@ pub(super) fn read_asks(body: &[u8]) -> (Option<String>, Option<u64>) {
 pub(super) async fn handle(
     proxy: Arc<Proxy>,
     settings: Arc<Settings>,
-    request: Request<Incoming>,
+    request: Request<Inbound>,
     connection: &Arc<Connection>,
 ) -> Response<Body> {
     let shape = error_shape(request.uri().path(), settings.api);
@@ -179,7 +179,7 @@ impl QueuedRequest {
         }
     }
 
-    async fn run(mut self, request: Request<Incoming>) {
+    async fn run(mut self, request: Request<Inbound>) {
         let ending = match self.phases(request).await {
             Ok(ending) | Err(ending) => ending,
         };

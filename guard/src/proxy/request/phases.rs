@@ -4,10 +4,10 @@
 
 use std::{hash::BuildHasher as _, sync::Arc};
 
+use crate::proxy::park::Inbound;
 use bytes::Bytes;
 use http::{Request, request};
 use http_body_util::BodyExt as _;
-use hyper::body::Incoming;
 
 use super::{Ending, QueuedRequest, preempt::Tracked};
 use crate::{
@@ -44,7 +44,7 @@ enum BodyError {
 /// The body's bytes, in one buffer of its declared length where it has one; every byte past
 /// the declared length (a chunked body) is held against the budget as it comes.
 async fn collect(
-    mut body: Incoming,
+    mut body: Inbound,
     limit: u64,
     declared: Option<u64>,
     held: &mut Held,
@@ -100,7 +100,7 @@ fn too_large(limit: u64) -> Ending {
 }
 
 impl QueuedRequest {
-    pub(super) async fn phases(&mut self, request: Request<Incoming>) -> Phase<Ending> {
+    pub(super) async fn phases(&mut self, request: Request<Inbound>) -> Phase<Ending> {
         let (mut head, body) = request.into_parts();
         // Until the body is read, the class is the one the head alone points to (rules on the
         // model need the body): its body-read limit applies.
@@ -183,7 +183,7 @@ impl QueuedRequest {
     /// Reads the whole body within the class's time, `server.body_limit_bytes` and the body
     /// budget. A declared length over the limit is refused before any of the body is asked
     /// for (so `Expect: 100-continue` gets the 413, never `100 Continue`).
-    async fn read_body(&mut self, head: &request::Parts, body: Incoming) -> Phase<Bytes> {
+    async fn read_body(&mut self, head: &request::Parts, body: Inbound) -> Phase<Bytes> {
         let limit = self.settings.body_limit;
         let declared = head
             .headers
