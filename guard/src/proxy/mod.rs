@@ -19,7 +19,6 @@ use std::{
     time::Duration,
 };
 
-use crate::proxy::park::Inbound;
 use http::{Method, Request, Response};
 
 pub use error::{ErrorShape, ProxyError};
@@ -32,6 +31,7 @@ use crate::{
     config::{Api, ClassTimeouts, Config},
     metrics::Metrics,
     proxy::outcome::Invalid,
+    proxy::park::Inbound,
     queue::Scheduler,
     reap::{EbpfTracker, registry::Registry},
     route::QueuedPaths,

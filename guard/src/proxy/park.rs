@@ -20,8 +20,9 @@ use bytes::{Buf as _, Bytes};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-/// A client connection's traffic as the parking decision needs it. One connection's parts
-/// all run on its one task; the atomics only make the shared value `Sync`.
+/// A client connection's traffic as the parking decision needs it. A connection's parts run
+/// on its serving thread (a request body may end in the upstream client's task there); the
+/// atomics make the value shareable, and a late count only skips one chance to park.
 #[derive(Default)]
 pub struct Activity {
     /// Request bodies and answers hyper still holds.

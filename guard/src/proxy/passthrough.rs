@@ -10,13 +10,12 @@ use std::{
     task::{Context, Poll},
 };
 
-use crate::proxy::park::Inbound;
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::BodyExt as _;
 
-use super::{ErrorShape, Proxy, ProxyError, Settings};
+use super::{ErrorShape, Proxy, ProxyError, Settings, park::Inbound};
 use crate::upstream::{Body, BoxError};
 
 /// One pass-through request in flight; the count falls when its answer's body is done.

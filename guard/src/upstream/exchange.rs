@@ -12,7 +12,7 @@
 //! keep-alive timeouts, and each is checked for a close before it is used.
 
 use std::{
-    collections::VecDeque,
+    collections::{HashMap, VecDeque},
     future::Future,
     pin::Pin,
     sync::{
@@ -20,6 +20,7 @@ use std::{
         atomic::{AtomicUsize, Ordering},
     },
     task::{Context, Poll},
+    thread::ThreadId,
     time::Duration,
 };
 
@@ -63,12 +64,24 @@ pub enum Dial {
 /// Reaches the upstream, and keeps the idle connections finished exchanges leave: as many as
 /// there may be exchanges at once (`upstream.max_concurrency`), so that a full house of
 /// single-document answers does not open a connection per request.
+///
+/// Idle connections are kept per serving thread and handed only to requests on the thread
+/// that made them: a socket's readiness comes through the reactor of the thread it was
+/// registered on, so a connection used on another thread would have every read and write
+/// woken across threads (an eventfd write and a context switch each).
 pub struct Connector {
     dial: Dial,
-    /// Oldest first: connections are checked in in time order, so the expired ones are at the
-    /// front and each check-in or check-out touches only the ends.
-    idle: Mutex<VecDeque<Idle>>,
+    idle: Mutex<Pools>,
     idle_max: AtomicUsize,
+}
+
+/// Each thread's idle connections, oldest first: connections are checked in in time order,
+/// so the expired ones are at the front and each check-in or check-out touches only the ends.
+#[derive(Default)]
+struct Pools {
+    by_thread: HashMap<ThreadId, VecDeque<Idle>>,
+    /// Of all threads.
+    count: usize,
 }
 
 /// A keep-alive connection with no exchange on it.
@@ -92,16 +105,19 @@ impl Connector {
         self.idle_max.store(idle_max, Ordering::Relaxed);
     }
 
-    fn idle(&self) -> std::sync::MutexGuard<'_, VecDeque<Idle>> {
+    fn idle(&self) -> std::sync::MutexGuard<'_, Pools> {
         self.idle
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The most recent idle connection that is young and still open.
+    /// This thread's most recent idle connection that is young and still open.
     fn check_out(&self) -> Option<Idle> {
-        let mut idle = self.idle();
-        while let Some(mut candidate) = idle.pop_back() {
+        let mut pools = self.idle();
+        let Pools { by_thread, count } = &mut *pools;
+        let pool = by_thread.get_mut(&std::thread::current().id())?;
+        while let Some(mut candidate) = pool.pop_back() {
+            *count -= 1;
             if candidate.since.elapsed() < IDLE_TTL && candidate.is_open() {
                 return Some(candidate);
             }
@@ -109,22 +125,27 @@ impl Connector {
         None
     }
 
-    /// Keeps a connection whose exchange ended cleanly, if it is still open.
+    /// Keeps a connection whose exchange ended cleanly, if it is still open, within
+    /// `idle_max` in all (this thread's oldest go first).
     fn check_in(&self, mut idle: Idle) {
         if !idle.is_open() {
             return;
         }
-        let mut pool = self.idle();
+        let max = self.idle_max.load(Ordering::Relaxed).max(1);
+        let mut pools = self.idle();
+        let Pools { by_thread, count } = &mut *pools;
+        let pool = by_thread.entry(std::thread::current().id()).or_default();
         while pool
             .front()
-            .is_some_and(|old| old.since.elapsed() >= IDLE_TTL)
+            .is_some_and(|old| old.since.elapsed() >= IDLE_TTL || *count >= max)
         {
             pool.pop_front();
+            *count -= 1;
         }
-        while pool.len() >= self.idle_max.load(Ordering::Relaxed).max(1) {
-            pool.pop_front();
+        if *count < max {
+            pool.push_back(idle);
+            *count += 1;
         }
-        pool.push_back(idle);
     }
 }
 
@@ -317,5 +338,77 @@ async fn connect(dial: &Dial) -> Result<Box<dyn Io>, ExchangeError> {
             Ok(Box::new(stream))
         }
         Dial::Memory(make) => Ok(make()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use http_body_util::{BodyExt as _, Empty, Full};
+    use hyper::{server::conn::http1 as server, service::service_fn};
+
+    use super::*;
+
+    /// A connector to an in-memory upstream that answers every request with one JSON
+    /// document on a kept-alive connection; counts its dials.
+    fn connector() -> (Arc<Connector>, Arc<AtomicUsize>) {
+        let dials = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&dials);
+        let dial: MemoryConnect = Arc::new(move || {
+            counted.fetch_add(1, Ordering::Relaxed);
+            let (ours, theirs) = tokio::io::duplex(4096);
+            let answer = service_fn(|_| async {
+                http::Response::builder()
+                    .header("content-type", "application/json")
+                    .body(Full::new(Bytes::from_static(b"{}")))
+            });
+            tokio::spawn(server::Builder::new().serve_connection(TokioIo::new(theirs), answer));
+            Box::new(ours)
+        });
+        (Connector::new(Dial::Memory(dial), 4), dials)
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime")
+    }
+
+    /// One exchange read to its end on `runtime`, this thread's own.
+    fn exchange(runtime: &tokio::runtime::Runtime, connector: &Arc<Connector>) {
+        runtime.block_on(async {
+            let request = Request::post("/api/chat")
+                .header("host", "upstream")
+                .body(Empty::new().map_err(Into::into).boxed())
+                .expect("request");
+            let (mut exchange, head) = Exchange::start(connector, request).await.expect("start");
+            assert_eq!(head.status, 200);
+            while exchange.frame().await.is_some() {}
+        });
+    }
+
+    #[test]
+    fn an_idle_connection_is_used_again_only_on_the_thread_that_made_it() {
+        let (connector, dials) = connector();
+        let here = runtime();
+        exchange(&here, &connector);
+        exchange(&here, &connector);
+        assert_eq!(dials.load(Ordering::Relaxed), 1, "kept and used again");
+        let elsewhere = Arc::clone(&connector);
+        std::thread::spawn(move || exchange(&runtime(), &elsewhere))
+            .join()
+            .expect("another thread");
+        assert_eq!(
+            dials.load(Ordering::Relaxed),
+            2,
+            "another thread makes its own"
+        );
+        exchange(&here, &connector);
+        assert_eq!(
+            dials.load(Ordering::Relaxed),
+            2,
+            "this thread's is still kept"
+        );
     }
 }

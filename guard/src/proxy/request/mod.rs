@@ -12,7 +12,6 @@ mod relay;
 
 use std::{sync::Arc, time::Duration};
 
-use crate::proxy::park::Inbound;
 use http::{HeaderValue, Request, Response};
 use tokio::{sync::oneshot, time::Instant};
 
@@ -25,6 +24,7 @@ use super::{
 use crate::{
     config::ClassTimeouts,
     proxy::budget::Held,
+    proxy::park::Inbound,
     queue::Permit,
     reap::{event::monotonic_now, registry::Connection},
     upstream::{Body, asks::Asks, exchange::Exchange, resume::Endpoint, usage::Usage},

@@ -4,7 +4,6 @@
 
 use std::{hash::BuildHasher as _, sync::Arc};
 
-use crate::proxy::park::Inbound;
 use bytes::Bytes;
 use http::{Request, request};
 use http_body_util::BodyExt as _;
@@ -14,6 +13,7 @@ use crate::{
     classify::RequestFacts,
     config::{FairBy, Preemptible},
     proxy::Proxy,
+    proxy::park::Inbound,
     proxy::{
         budget::Held,
         error::ProxyError,
