@@ -159,31 +159,39 @@ fn overlapping_listen_addresses_are_refused_naming_the_key() {
     }
 }
 
-/// Reads one whole answer with a Content-Length body from a kept-alive connection.
-async fn read_answer(stream: &mut tokio::net::TcpStream) -> String {
-    use tokio::io::AsyncReadExt as _;
-    let mut seen = Vec::new();
-    let mut buffer = [0u8; 4096];
-    loop {
-        let text = String::from_utf8_lossy(&seen).into_owned();
-        if let Some((head, body)) = text.split_once("\r\n\r\n") {
-            let length: usize = head
-                .lines()
-                .find_map(|l| {
-                    l.to_ascii_lowercase()
-                        .strip_prefix("content-length:")?
-                        .trim()
-                        .parse()
-                        .ok()
-                })
-                .unwrap_or(0);
-            if body.len() >= length {
-                return text;
+/// A kept-alive connection's answers, one at a time (answers to pipelined requests may
+/// arrive in one read).
+struct Answers {
+    stream: tokio::net::TcpStream,
+    seen: Vec<u8>,
+}
+
+impl Answers {
+    /// The next whole answer (a head and its Content-Length body).
+    async fn next(&mut self) -> String {
+        use tokio::io::AsyncReadExt as _;
+        let mut buffer = [0u8; 4096];
+        loop {
+            if let Some(end) = self.whole() {
+                let answer: Vec<u8> = self.seen.drain(..end).collect();
+                return String::from_utf8_lossy(&answer).into_owned();
             }
+            let n = self.stream.read(&mut buffer).await.expect("read");
+            let text = String::from_utf8_lossy(&self.seen);
+            assert!(n > 0, "guard closed a kept-alive connection: {text}");
+            self.seen.extend_from_slice(&buffer[..n]);
         }
-        let n = stream.read(&mut buffer).await.expect("read");
-        assert!(n > 0, "guard closed a kept-alive connection: {text}");
-        seen.extend_from_slice(&buffer[..n]);
+    }
+
+    /// Where the first whole answer read so far ends.
+    fn whole(&self) -> Option<usize> {
+        let head_end = self.seen.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+        let head = String::from_utf8_lossy(&self.seen[..head_end]).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:")?.trim().parse().ok())
+            .unwrap_or(0);
+        (self.seen.len() >= head_end + length).then_some(head_end + length)
     }
 }
 
@@ -203,41 +211,46 @@ async fn idle_connections_are_parked_and_go_on_where_they_stopped() {
         "[server]\nheader_read_timeout_ms = 1500\n",
     );
     let get = b"GET /api/tags HTTP/1.1\r\nhost: g\r\n\r\n";
-    let mut client = tokio::net::TcpStream::connect(guard.listen)
+    let stream = tokio::net::TcpStream::connect(guard.listen)
         .await
         .expect("connect");
+    let mut client = Answers {
+        stream,
+        seen: Vec::new(),
+    };
     // A connection that has sent nothing waits outside hyper; so does one between requests.
     guard.wait_for_metric("guard_connections_parked", 1.0).await;
     for _ in 0..3 {
-        client.write_all(get).await.expect("send");
-        assert!(read_answer(&mut client).await.starts_with("HTTP/1.1 200"));
+        client.stream.write_all(get).await.expect("send");
+        assert!(client.next().await.starts_with("HTTP/1.1 200"));
         guard.wait_for_metric("guard_connections_parked", 1.0).await;
     }
     // Two requests in one write; then one and the start of the next, the rest of it a moment
     // later (hyper had read that start when the connection was parked): each answered once,
     // in order, on the same connection.
+    let two = [&get[..], &get[..]].concat();
+    client.stream.write_all(&two).await.expect("send");
+    assert!(client.next().await.starts_with("HTTP/1.1 200"));
+    assert!(client.next().await.starts_with("HTTP/1.1 200"));
+    let one_and_a_start = [&get[..], &get[..11]].concat();
     client
-        .write_all(&[&get[..], &get[..]].concat())
+        .stream
+        .write_all(&one_and_a_start)
         .await
         .expect("send");
-    assert!(read_answer(&mut client).await.starts_with("HTTP/1.1 200"));
-    assert!(read_answer(&mut client).await.starts_with("HTTP/1.1 200"));
-    client
-        .write_all(&[&get[..], &get[..11]].concat())
-        .await
-        .expect("send");
-    assert!(read_answer(&mut client).await.starts_with("HTTP/1.1 200"));
+    assert!(client.next().await.starts_with("HTTP/1.1 200"));
     // The second head's shape on the wire (two segments), not a wait for a state.
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    client.write_all(&get[11..]).await.expect("send");
-    assert!(read_answer(&mut client).await.starts_with("HTTP/1.1 200"));
+    client.stream.write_all(&get[11..]).await.expect("send");
+    assert!(client.next().await.starts_with("HTTP/1.1 200"));
+    assert!(client.seen.is_empty(), "nothing more was answered");
 
     // A head begun and never finished is cut off once its time is up, counted from the last
     // answer however the wait was spent (hyper, too, closes without an answer then).
     let answered = std::time::Instant::now();
-    client.write_all(b"GET /api/ta").await.expect("send");
+    client.stream.write_all(b"GET /api/ta").await.expect("send");
     let mut rest = Vec::new();
-    let _ = client.read_to_end(&mut rest).await;
+    let _ = client.stream.read_to_end(&mut rest).await;
     let waited = answered.elapsed();
     assert!(rest.is_empty(), "{}", String::from_utf8_lossy(&rest));
     assert!(
@@ -247,15 +260,22 @@ async fn idle_connections_are_parked_and_go_on_where_they_stopped() {
     );
 
     // A parked connection does not hold guard up at SIGTERM; it is closed.
-    let mut parked = tokio::net::TcpStream::connect(guard.listen)
+    let stream = tokio::net::TcpStream::connect(guard.listen)
         .await
         .expect("connect");
-    parked.write_all(get).await.expect("send");
-    read_answer(&mut parked).await;
+    let mut parked = Answers {
+        stream,
+        seen: Vec::new(),
+    };
+    parked.stream.write_all(get).await.expect("send");
+    assert!(parked.next().await.starts_with("HTTP/1.1 200"));
     guard.wait_for_metric("guard_connections_parked", 1.0).await;
     let stopping = std::time::Instant::now();
     assert!(guard.terminate().is_some_and(|s| s.success()));
     assert!(stopping.elapsed() < std::time::Duration::from_secs(5));
     let mut left = Vec::new();
-    assert_eq!(parked.read_to_end(&mut left).await.expect("closed"), 0);
+    assert_eq!(
+        parked.stream.read_to_end(&mut left).await.expect("closed"),
+        0
+    );
 }

@@ -34,11 +34,7 @@ const REJECTIONS: usize = 2_000;
 
 fn main() {
     let runtime = guard_tests::bench_runtime();
-    let only: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let wanted = |part: &str| only.is_empty() || only.iter().any(|o| o == part);
+    let wanted = guard_tests::bench_parts();
     runtime.block_on(async {
         if wanted("table") {
             table::run().await;

@@ -62,11 +62,7 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
-    let only: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let wanted = |part: &str| only.is_empty() || only.iter().any(|o| o == part);
+    let wanted = guard_tests::bench_parts();
     runtime.block_on(async {
         if wanted("lines") {
             lines().await;

@@ -218,6 +218,16 @@ pub fn rss_bytes(pid: u32) -> u64 {
         .expect("VmRSS")
 }
 
+/// Which parts of a benchmark its command line asks for (`cargo xtask bench NAME PART...`):
+/// every part when it names none.
+pub fn bench_parts() -> impl Fn(&str) -> bool {
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    move |part| only.is_empty() || only.iter().any(|o| o == part)
+}
+
 /// The runtime a benchmark's `main` runs on: tokio's default multi-threaded one.
 pub fn bench_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
