@@ -167,6 +167,14 @@ struct Answers {
 }
 
 impl Answers {
+    async fn connect(addr: std::net::SocketAddr) -> Self {
+        let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        Self {
+            stream,
+            seen: Vec::new(),
+        }
+    }
+
     /// The next whole answer (a head and its Content-Length body).
     async fn next(&mut self) -> String {
         use tokio::io::AsyncReadExt as _;
@@ -211,13 +219,7 @@ async fn idle_connections_are_parked_and_go_on_where_they_stopped() {
         "[server]\nheader_read_timeout_ms = 1500\n",
     );
     let get = b"GET /api/tags HTTP/1.1\r\nhost: g\r\n\r\n";
-    let stream = tokio::net::TcpStream::connect(guard.listen)
-        .await
-        .expect("connect");
-    let mut client = Answers {
-        stream,
-        seen: Vec::new(),
-    };
+    let mut client = Answers::connect(guard.listen).await;
     // A connection that has sent nothing waits outside hyper; so does one between requests.
     guard.wait_for_metric("guard_connections_parked", 1.0).await;
     for _ in 0..3 {
@@ -260,13 +262,7 @@ async fn idle_connections_are_parked_and_go_on_where_they_stopped() {
     );
 
     // A parked connection does not hold guard up at SIGTERM; it is closed.
-    let stream = tokio::net::TcpStream::connect(guard.listen)
-        .await
-        .expect("connect");
-    let mut parked = Answers {
-        stream,
-        seen: Vec::new(),
-    };
+    let mut parked = Answers::connect(guard.listen).await;
     parked.stream.write_all(get).await.expect("send");
     assert!(parked.next().await.starts_with("HTTP/1.1 200"));
     guard.wait_for_metric("guard_connections_parked", 1.0).await;

@@ -43,7 +43,7 @@ pub fn conformance(pytest_args: &[String]) -> Result<()> {
     let installed = setup::all()?;
     let suite = crate::llama::sources(&cache_dir())?.join("tools/server/tests");
     let pytest = venv(&suite)?;
-    build()?;
+    crate::tasks::build_guard_and("conformance-server", false)?;
     let runner = Runner {
         pytest,
         suite,
@@ -127,21 +127,6 @@ fn venv(suite: &Path) -> Result<PathBuf> {
     .context("pip install of the suite's requirements failed; fix: check that pip reaches the package index")?;
     std::fs::write(&marker, "").context("marking the venv complete")?;
     Ok(pytest)
-}
-
-fn build() -> Result<()> {
-    run(crate::tasks::cargo().args([
-        "build",
-        "-p",
-        "guard",
-        "-p",
-        "guard-tests",
-        "--bin",
-        "guard",
-        "--bin",
-        "conformance-server",
-    ]))
-    .context("the build failed")
 }
 
 struct Runner {

@@ -74,19 +74,7 @@ pub fn test(args: &[String]) -> Result<()> {
 pub fn demo() -> Result<()> {
     use std::os::unix::process::CommandExt as _;
     let installed = setup::all()?;
-    run(cargo().args([
-        "build",
-        "--release",
-        "-p",
-        "guard",
-        "-p",
-        "guard-tests",
-        "--bin",
-        "guard",
-        "--bin",
-        "demo",
-    ]))
-    .context("the build failed")?;
+    build_guard_and("demo", true)?;
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut demo = Command::new(root.join("target/release/demo"));
     demo.env("GUARD_BIN", release_guard());
@@ -141,6 +129,26 @@ fn cargo_path() -> String {
 
 pub fn cargo() -> Command {
     Command::new(cargo_path())
+}
+
+/// Builds guard and one of guard-tests' binaries (the demo, the conformance wrapper).
+pub fn build_guard_and(bin: &str, release: bool) -> Result<()> {
+    let mut build = cargo();
+    build.arg("build");
+    if release {
+        build.arg("--release");
+    }
+    build.args([
+        "-p",
+        "guard",
+        "-p",
+        "guard-tests",
+        "--bin",
+        "guard",
+        "--bin",
+        bin,
+    ]);
+    run(&mut build).context("the build failed")
 }
 
 pub fn require_root(why: &str) -> Result<()> {
