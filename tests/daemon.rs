@@ -216,7 +216,8 @@ async fn idle_connections_are_parked_and_go_on_where_they_stopped() {
     let mut guard = GuardProcess::start(
         upstream,
         "ollama",
-        "[server]\nheader_read_timeout_ms = 1500\n",
+        // Every idle connection parks, however few there are.
+        "[server]\nheader_read_timeout_ms = 1500\nready_connections = 0\n",
     );
     let get = b"GET /api/tags HTTP/1.1\r\nhost: g\r\n\r\n";
     let mut client = Answers::connect(guard.listen).await;
@@ -274,4 +275,35 @@ async fn idle_connections_are_parked_and_go_on_where_they_stopped() {
         parked.stream.read_to_end(&mut left).await.expect("closed"),
         0
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_connections_up_to_ready_connections_stay_in_hyper_and_the_rest_park() {
+    use tokio::io::AsyncWriteExt as _;
+    let upstream = guard_tests::http::scripted_upstream(|head| {
+        head.starts_with(b"GET ").then(|| {
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+                .to_vec()
+        })
+    })
+    .await;
+    let guard = GuardProcess::start(upstream, "ollama", "[server]\nready_connections = 1\n");
+    let get = b"GET /api/tags HTTP/1.1\r\nhost: g\r\n\r\n";
+    // One after another: the first stays in hyper between requests (one is allowed), each
+    // later one parks once answered, as more than one would then be in hyper.
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        let mut client = Answers::connect(guard.listen).await;
+        client.stream.write_all(get).await.expect("send");
+        assert!(client.next().await.starts_with("HTTP/1.1 200"));
+        clients.push(client);
+    }
+    guard.wait_for_metric("guard_connections_parked", 2.0).await;
+    // Had the first parked too, it would have done so before the others were answered.
+    assert_eq!(guard.metric("guard_connections_parked").await, 2.0);
+    for client in &mut clients {
+        client.stream.write_all(get).await.expect("send");
+        assert!(client.next().await.starts_with("HTTP/1.1 200"));
+    }
+    guard.wait_for_metric("guard_connections_parked", 2.0).await;
 }

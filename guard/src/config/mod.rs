@@ -78,6 +78,8 @@ pub struct ServerConfig {
     pub queued_paths: Vec<String>,
     /// Client connections open at once; one more is answered 503 and closed.
     pub max_connections: u32,
+    /// Client connections hyper may keep between requests; past it an idle one is parked.
+    pub ready_connections: u32,
     /// Bytes of request bodies being read or waiting, over all connections; past it: 503.
     pub max_body_bytes_in_flight: u64,
 }
@@ -537,6 +539,7 @@ impl Default for ServerConfig {
                 .map(|p| (*p).to_owned())
                 .collect(),
             max_connections: 4_096,
+            ready_connections: 256,
             max_body_bytes_in_flight: 256 << 20,
         }
     }

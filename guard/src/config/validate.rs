@@ -153,6 +153,12 @@ impl Config {
                 1,
                 MAX_CONNECTIONS,
             ),
+            Range::new(
+                "server.ready_connections",
+                u64::from(server.ready_connections),
+                0,
+                MAX_CONNECTIONS,
+            ),
             // A body of the largest allowed size must fit, or it could never be read.
             Range::new(
                 "server.max_body_bytes_in_flight",

@@ -93,6 +93,10 @@ pub struct Proxy {
     /// Pass-through requests in flight now.
     passing: Arc<std::sync::atomic::AtomicU32>,
     max_connections: usize,
+    /// Client connections hyper may keep between requests (`server.ready_connections`).
+    ready_connections: usize,
+    /// Client connections in hyper's hands now.
+    in_hyper: std::sync::atomic::AtomicUsize,
     ttft: Arc<crate::throttle::ttft::TtftWindow>,
     tally: Arc<Tally>,
     throughput: Arc<Throughput>,
@@ -155,6 +159,8 @@ impl Proxy {
             ),
             passing: Arc::default(),
             max_connections: config.server.max_connections as usize,
+            ready_connections: config.server.ready_connections as usize,
+            in_hyper: std::sync::atomic::AtomicUsize::new(0),
             ttft: parts.ttft,
             tally: parts.tally,
             throughput: parts.throughput,

@@ -55,6 +55,11 @@ impl Activity {
         self.waiting.swap(false, Ordering::Relaxed) && self.heads.load(Ordering::Relaxed) > 0
     }
 
+    /// Whether hyper has parsed a request head since the connection last came out of parking.
+    pub fn has_heads(&self) -> bool {
+        self.heads.load(Ordering::Relaxed) > 0
+    }
+
     /// Heads parsed since the last call.
     pub fn take_heads(&self) -> usize {
         self.heads.swap(0, Ordering::Relaxed)

@@ -2,7 +2,17 @@
 //! its client is known to have left, or guard stops; between requests an idle connection is
 //! parked outside hyper (`park`).
 
-use std::{convert::Infallible, net::SocketAddr, pin::Pin, sync::Arc, task::Poll, time::Duration};
+use std::{
+    convert::Infallible,
+    net::SocketAddr,
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    task::Poll,
+    time::Duration,
+};
 
 use bytes::{Bytes, BytesMut};
 use http::{Request, Response};
@@ -136,6 +146,7 @@ impl Handover {
             local,
             shutdown,
         } = self;
+        let _open = super::workers::OpenHere::new();
         let registered = TcpStream::from_std(stream).and_then(|stream| {
             let watched = watched.map(TcpStream::from_std).transpose()?;
             Ok((stream, watched))
@@ -261,6 +272,22 @@ impl Drop for Counted<'_> {
     }
 }
 
+/// One connection in hyper's hands, counted for as long as it lives.
+struct InHyper<'a>(&'a AtomicUsize);
+
+impl<'a> InHyper<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for InHyper<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// One stretch of a connection in hyper's hands.
 struct Session<'a> {
     proxy: &'a Arc<Proxy>,
@@ -279,13 +306,17 @@ impl Session<'_> {
         leftover: Bytes,
         shutdown: &mut Option<watch::Receiver<bool>>,
     ) -> Option<(Lingering<I>, Bytes)> {
-        let remaining = self.deadline.saturating_duration_since(Instant::now());
+        let _in_hyper = InHyper::new(&self.proxy.in_hyper);
         let io = Watched::new(io, leftover, Arc::clone(self.activity));
         let half_close = self.proxy.half_close_means_gone();
         // Boxed: while the connection is parked, none of hyper's state is held.
         let mut hyper = Box::new(
-            builder(remaining, half_close).serve_connection(TokioIo::new(io), self.service()),
+            builder(self.proxy.header_read_timeout, half_close)
+                .serve_connection(TokioIo::new(io), self.service()),
         );
+        // hyper times each head from when it begins to wait for it; the first one's time
+        // began at the last answer (or the accept), before the wait outside hyper.
+        let mut first_head = std::pin::pin!(tokio::time::sleep_until(self.deadline));
         let mut stop = std::pin::pin!(stopping(shutdown));
         let (mut stopping, mut parks) = (false, I::PARKS);
         let parked = std::future::poll_fn(|cx| {
@@ -296,7 +327,12 @@ impl Session<'_> {
             if let Poll::Ready(result) = Pin::new(&mut *hyper).poll(cx) {
                 return Poll::Ready(ended(result, self.connection));
             }
-            if stopping || !parks || !self.activity.take_waiting() {
+            if !self.activity.has_heads() && first_head.as_mut().poll(cx).is_ready() {
+                // As hyper does at its own header timeout: closed without an answer.
+                tracing::debug!(peer = %self.connection.peer, "no request head in time");
+                return Poll::Ready(false);
+            }
+            if stopping || !parks || !self.activity.take_waiting() || !self.crowded() {
                 return Poll::Pending;
             }
             // Idle, hyper closes at once without a word on the wire; and its shutdown of the
@@ -328,6 +364,13 @@ impl Session<'_> {
         Some((io, rest.freeze()))
     }
 
+    /// Whether more connections are in hyper's hands than `server.ready_connections`: then an
+    /// idle one leaves. Below it, an idle connection stays in hyper, ready for its next
+    /// request at no cost (parking and coming back cost about a tenth of a small request).
+    fn crowded(&self) -> bool {
+        self.proxy.in_hyper.load(Ordering::Relaxed) > self.proxy.ready_connections
+    }
+
     /// The proxy's handler, each request's body and answer carrying a token of the session's
     /// activity.
     fn service(
@@ -354,7 +397,8 @@ impl Session<'_> {
     }
 }
 
-/// hyper's settings for a client connection; `head_within` bounds its next request head.
+/// hyper's settings for a client connection; `head_within` bounds each request head, from
+/// when hyper begins to wait for it.
 fn builder(head_within: Duration, half_close_means_gone: bool) -> http1::Builder {
     let mut builder = http1::Builder::new();
     builder

@@ -9,14 +9,25 @@
 
 use std::{
     cell::Cell,
-    sync::atomic::{AtomicUsize, Ordering},
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
     thread::JoinHandle,
+    time::Duration,
 };
 
 thread_local! {
     /// The serving thread this is, on a serving thread.
     static INDEX: Cell<Option<usize>> = const { Cell::new(None) };
+    /// This serving thread's anchor timer, on a serving thread.
+    static ANCHOR: Arc<Anchor> = Arc::new(Anchor::default());
 }
+
+/// How far ahead a serving thread's anchor timer lies, at most: less than every deadline a
+/// request arms (the shortest, a class's `deadline_ms`, is 1 ms or more but in practice
+/// seconds; the head, body and idle limits are seconds).
+const ANCHOR_PERIOD: Duration = Duration::from_millis(500);
 
 /// How many serving threads `Workers::per_cpu` starts.
 pub fn per_cpu_count() -> usize {
@@ -89,7 +100,11 @@ impl Worker {
             .spawn(move || {
                 INDEX.with(|own| own.set(Some(index)));
                 // Runs the connections' tasks until told to stop (or the sender is gone).
-                let _ = runtime.block_on(stopped);
+                runtime.block_on(async {
+                    let anchor = tokio::spawn(ANCHOR.with(Arc::clone).hold());
+                    let _ = stopped.await;
+                    anchor.abort();
+                });
             })
             .map_err(error)?;
         Ok(Self {
@@ -97,6 +112,58 @@ impl Worker {
             stop: Some(stop),
             thread: Some(thread),
         })
+    }
+}
+
+/// A timer a serving thread keeps armed while it has connections, never more than
+/// `ANCHOR_PERIOD` ahead.
+///
+/// tokio's timer, arming a deadline earlier than any its thread would wake for, wakes the
+/// thread's driver with a write to an eventfd, even when the thread is awake and is the one
+/// arming it. Every request arms deadlines (hyper's head timeout, the park's), so on a thread
+/// with no earlier one each request paid two such writes and a spurious return from
+/// `epoll_wait`. With the anchor armed, each request's deadline lies after it.
+#[derive(Default)]
+struct Anchor {
+    /// Connections open on this thread.
+    open: AtomicUsize,
+    /// The first connection came.
+    resumed: tokio::sync::Notify,
+}
+
+impl Anchor {
+    /// Keeps the timer armed while the thread has connections; idle, it sleeps untimed.
+    async fn hold(self: Arc<Self>) {
+        loop {
+            if self.open.load(Ordering::Relaxed) == 0 {
+                self.resumed.notified().await;
+            }
+            tokio::time::sleep(ANCHOR_PERIOD).await;
+        }
+    }
+}
+
+/// A connection open on this serving thread, for as long as it lives; nothing elsewhere.
+pub struct OpenHere(Option<Arc<Anchor>>);
+
+impl OpenHere {
+    pub fn new() -> Self {
+        if current().is_none() {
+            return Self(None);
+        }
+        let anchor = ANCHOR.with(Arc::clone);
+        if anchor.open.fetch_add(1, Ordering::Relaxed) == 0 {
+            anchor.resumed.notify_one();
+        }
+        Self(Some(anchor))
+    }
+}
+
+impl Drop for OpenHere {
+    fn drop(&mut self) {
+        if let Some(anchor) = &self.0 {
+            anchor.open.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -142,6 +209,50 @@ mod tests {
                 "guard-serve-1"
             ]
         );
+    }
+
+    /// Writes to this process's eventfds so far (tokio's reactors are woken through them, and
+    /// nothing reads them back but an overflow).
+    fn eventfd_writes() -> u64 {
+        let me = procfs::process::Process::myself().expect("/proc/self");
+        me.fd()
+            .expect("fds")
+            .flatten()
+            .filter(|fd| {
+                matches!(&fd.target, procfs::process::FDTarget::AnonInode(kind) if kind == "[eventfd]")
+            })
+            .filter_map(|fd| std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.fd)).ok())
+            .filter_map(|info| {
+                let line = info.lines().find(|l| l.starts_with("eventfd-count:"))?;
+                u64::from_str_radix(line.trim_start_matches("eventfd-count:").trim(), 16).ok()
+            })
+            .sum()
+    }
+
+    #[test]
+    fn with_a_connection_open_arming_later_deadlines_does_not_wake_the_reactor() {
+        use futures_util::FutureExt as _;
+        let workers = Workers::start(1).expect("threads");
+        let (tx, rx) = std::sync::mpsc::channel();
+        workers.next().spawn(async move {
+            let _open = OpenHere::new();
+            // The thread parks once, seeing the anchor as its next timer.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let before = eventfd_writes();
+            // Armed as a request's deadlines are (each polled once, kept), all later than it.
+            let armed: Vec<_> = (0..100)
+                .map(|_| {
+                    let mut sleep = Box::pin(tokio::time::sleep(ANCHOR_PERIOD * 4));
+                    assert!((&mut sleep).now_or_never().is_none());
+                    sleep
+                })
+                .collect();
+            let _ = tx.send((before, eventfd_writes()));
+            drop(armed);
+        });
+        let (before, after) = rx.recv().expect("ran");
+        // Without the anchor each of them wrote to the reactor's eventfd: 100.
+        assert!(after - before < 5, "{before} -> {after}");
     }
 
     #[test]
