@@ -375,11 +375,19 @@ impl Tally {
             .counts
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *counts
-            .entry(decision.class.clone())
-            .or_default()
-            .entry(by.to_owned())
-            .or_default() += 1;
+        // Names are copied only the first time they are counted.
+        match counts.get_mut(&decision.class) {
+            Some(by_what) => match by_what.get_mut(by) {
+                Some(count) => *count += 1,
+                None => {
+                    by_what.insert(by.to_owned(), 1);
+                }
+            },
+            None => {
+                let by_what = BTreeMap::from([(by.to_owned(), 1)]);
+                counts.insert(decision.class.clone(), by_what);
+            }
+        }
     }
 
     /// Per class, what sent how many requests there.

@@ -5,6 +5,7 @@
 //! router might take for a generation endpoint is queued: erring that way only queues a request
 //! the upstream will refuse. The request is forwarded with its original bytes.
 
+use std::borrow::Cow;
 use std::collections::BTreeSet;
 
 /// Every generation endpoint of Ollama, OpenAI-style servers and llama-server (docs/design.md §6).
@@ -47,17 +48,14 @@ impl QueuedPaths {
         Self(
             paths
                 .into_iter()
-                .filter_map(|p| normalize(p).ok())
+                .filter_map(|p| normalize(p).ok().map(Cow::into_owned))
                 .collect(),
         )
     }
 
     /// Whether a request for `raw` (its path as sent) is generation work.
     pub fn contains(&self, raw: &str) -> Result<bool, PathError> {
-        if is_normal(raw) {
-            return Ok(self.0.contains(raw));
-        }
-        Ok(self.0.contains(&normalize(raw)?))
+        Ok(self.0.contains(normalize(raw)?.as_ref()))
     }
 }
 
@@ -71,8 +69,11 @@ fn is_normal(raw: &str) -> bool {
 }
 
 /// The path a router sees: percent-decoded, dot segments and empty segments removed, with a
-/// leading `/` and no trailing one.
-pub fn normalize(raw: &str) -> Result<String, PathError> {
+/// leading `/` and no trailing one. A path already so (the common case) is borrowed as it is.
+pub fn normalize(raw: &str) -> Result<Cow<'_, str>, PathError> {
+    if is_normal(raw) {
+        return Ok(Cow::Borrowed(raw));
+    }
     let decoded = decode(raw)?;
     let mut segments: Vec<&str> = Vec::new();
     for segment in decoded.split('/') {
@@ -84,7 +85,7 @@ pub fn normalize(raw: &str) -> Result<String, PathError> {
             other => segments.push(other),
         }
     }
-    Ok(format!("/{}", segments.join("/")))
+    Ok(Cow::Owned(format!("/{}", segments.join("/"))))
 }
 
 /// Percent-decodes every escape, refusing malformed ones and non-UTF-8 results.

@@ -158,7 +158,8 @@ pub struct Estimator {
     prior: Duration,
     /// Per model (or "" for requests that name none).
     rates: HashMap<String, Rates>,
-    by_class_model: HashMap<(String, String), Learned>,
+    /// Per class, then per model (looked up by `&str`: no key is built per request).
+    by_class_model: HashMap<String, HashMap<String, Learned>>,
     by_class: HashMap<String, Learned>,
     overall: Learned,
 }
@@ -184,27 +185,19 @@ impl Estimator {
         let (class, model, tokens) = (seen.class, seen.model, seen.tokens);
         let secs = seen.took.min(MAX_ESTIMATE).as_secs_f64();
         // Too many distinct models is a client making names up: only the first few learn.
-        if self.rates.len() < MAX_MODELS || self.rates.contains_key(model.unwrap_or_default()) {
-            self.rates
-                .entry(model.unwrap_or_default().to_owned())
-                .or_default()
-                .learn(seen);
+        if let Some(rates) = entry(&mut self.rates, model.unwrap_or_default(), MAX_MODELS) {
+            rates.learn(seen);
         }
+        // Classes are the config's, as many as it names.
         if let Some(model) = model
-            && (self.by_class_model.len() < MAX_MODELS
-                || self
-                    .by_class_model
-                    .contains_key(&(class.to_owned(), model.to_owned())))
+            && let Some(models) = entry(&mut self.by_class_model, class, usize::MAX)
+            && let Some(learned) = entry(models, model, MAX_MODELS)
         {
-            self.by_class_model
-                .entry((class.to_owned(), model.to_owned()))
-                .or_default()
-                .record(tokens, seen.generated, secs);
+            learned.record(tokens, seen.generated, secs);
         }
-        self.by_class
-            .entry(class.to_owned())
-            .or_default()
-            .record(tokens, seen.generated, secs);
+        if let Some(learned) = entry(&mut self.by_class, class, usize::MAX) {
+            learned.record(tokens, seen.generated, secs);
+        }
         self.overall.record(tokens, seen.generated, secs);
     }
 
@@ -217,8 +210,7 @@ impl Estimator {
         tokens: Option<u64>,
         prompt: u64,
     ) -> Duration {
-        let specific =
-            model.and_then(|m| self.by_class_model.get(&(class.to_owned(), m.to_owned())));
+        let specific = model.and_then(|m| self.by_class_model.get(class)?.get(m));
         let learned = [specific, self.by_class.get(class), Some(&self.overall)];
         let generated = tokens
             .map(|t| t as f64)
@@ -237,6 +229,21 @@ impl Estimator {
             })
             .map_or(self.prior.min(MAX_ESTIMATE), clamp_secs)
     }
+}
+
+/// `map`'s value for `key`, made if the map holds fewer than `cap`; the key is copied only then.
+fn entry<'m, V: Default>(
+    map: &'m mut HashMap<String, V>,
+    key: &str,
+    cap: usize,
+) -> Option<&'m mut V> {
+    if !map.contains_key(key) {
+        if map.len() >= cap {
+            return None;
+        }
+        map.insert(key.to_owned(), V::default());
+    }
+    map.get_mut(key)
 }
 
 /// When the next job would start on `slots` servers that free up after `running` (remaining

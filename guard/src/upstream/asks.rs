@@ -64,9 +64,13 @@ impl Asks {
     }
 }
 
-/// A JSON string's text, borrowed where it has no escapes.
+/// A JSON string's text, borrowed where it has no escapes (serde's own `Cow<str>` is always
+/// an owned copy).
 fn text(raw: &[u8]) -> Option<Cow<'_, str>> {
-    serde_json::from_slice(raw).ok()
+    match serde_json::from_slice::<&str>(raw) {
+        Ok(borrowed) => Some(Cow::Borrowed(borrowed)),
+        Err(_) => serde_json::from_slice::<String>(raw).ok().map(Cow::Owned),
+    }
 }
 
 fn nested_num_predict(options: &[u8]) -> Option<u64> {
@@ -85,6 +89,16 @@ mod tests {
 
     fn asks(json: &str) -> Asks {
         Asks::read(json.as_bytes())
+    }
+
+    #[test]
+    fn a_plain_string_is_borrowed_and_an_escaped_one_decoded() {
+        assert!(matches!(
+            text(br#""llama3""#),
+            Some(Cow::Borrowed("llama3"))
+        ));
+        assert_eq!(text(br#""a\u0062\n""#).as_deref(), Some("ab\n"));
+        assert_eq!(text(b"3"), None);
     }
 
     #[test]

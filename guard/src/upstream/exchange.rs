@@ -290,16 +290,22 @@ fn keeps_alive(head: &response::Parts) -> bool {
     let media = head
         .headers
         .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_ascii_lowercase();
-    let streamed =
-        media.starts_with("text/event-stream") || media.starts_with("application/x-ndjson");
+        .map_or(&b""[..], http::HeaderValue::as_bytes);
+    let starts = |prefix: &[u8]| {
+        media
+            .get(..prefix.len())
+            .is_some_and(|s| s.eq_ignore_ascii_case(prefix))
+    };
+    let streamed = starts(b"text/event-stream") || starts(b"application/x-ndjson");
     let close = head
         .headers
-        .get(http::header::CONNECTION)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.to_ascii_lowercase().contains("close"));
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .any(|v| {
+            v.as_bytes()
+                .windows(5)
+                .any(|w| w.eq_ignore_ascii_case(b"close"))
+        });
     head.version == http::Version::HTTP_11 && !streamed && !close
 }
 
@@ -349,6 +355,30 @@ mod tests {
     use hyper::{server::conn::http1 as server, service::service_fn};
 
     use super::*;
+
+    #[test]
+    fn only_a_single_document_on_a_connection_not_closing_keeps_it() {
+        let head = |version, headers: &[(&str, &str)]| {
+            let mut builder = http::Response::builder().version(version);
+            for (name, value) in headers {
+                builder = builder.header(*name, *value);
+            }
+            builder.body(()).expect("response").into_parts().0
+        };
+        let json = [("content-type", "application/json")];
+        assert!(keeps_alive(&head(http::Version::HTTP_11, &json)));
+        assert!(!keeps_alive(&head(http::Version::HTTP_10, &json)));
+        for streamed in ["Text/Event-Stream; charset=utf-8", "application/x-ndjson"] {
+            let headers = [("content-type", streamed)];
+            assert!(!keeps_alive(&head(http::Version::HTTP_11, &headers)));
+        }
+        let closing = [
+            ("connection", "keep-alive"),
+            ("connection", "Upgrade, CLOSE"),
+        ];
+        assert!(!keeps_alive(&head(http::Version::HTTP_11, &closing)));
+        assert!(keeps_alive(&head(http::Version::HTTP_11, &[])));
+    }
 
     /// A connector to an in-memory upstream that answers every request with one JSON
     /// document on a kept-alive connection; counts its dials.

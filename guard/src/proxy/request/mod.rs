@@ -370,15 +370,19 @@ impl QueuedRequest {
             .as_deref()
             .and_then(|class| HeaderValue::from_str(class).ok())
         {
-            headers.insert("x-guard-class", value);
+            headers.insert(CLASS_HEADER, value);
         }
         headers.insert(
-            "x-guard-queue-ms",
+            QUEUE_MS_HEADER,
             HeaderValue::from(waited.as_millis() as u64),
         );
         response
     }
 }
+
+/// guard's own answer headers, named once (a `&str` name is parsed on every insert).
+const CLASS_HEADER: http::HeaderName = http::HeaderName::from_static("x-guard-class");
+const QUEUE_MS_HEADER: http::HeaderName = http::HeaderName::from_static("x-guard-queue-ms");
 
 impl Drop for QueuedRequest {
     /// The last resort: the owner's task was dropped before it concluded (the runtime is
