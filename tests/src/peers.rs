@@ -191,9 +191,30 @@ fn escape_nginx(body: &str) -> String {
     body.replace('\\', "\\\\").replace('\'', "\\'")
 }
 
+/// CPU time, in user space and in the kernel.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuTime {
+    pub user: Duration,
+    pub system: Duration,
+}
+
+impl CpuTime {
+    pub fn total(self) -> Duration {
+        self.user + self.system
+    }
+
+    /// What was used between `earlier` and this.
+    pub fn since(self, earlier: Self) -> Self {
+        Self {
+            user: self.user.saturating_sub(earlier.user),
+            system: self.system.saturating_sub(earlier.system),
+        }
+    }
+}
+
 /// The CPU time `pid` and its child processes (nginx's workers) have used, all threads.
-pub fn cpu_time(pid: u32) -> Duration {
-    let ticks = |pid: u32| -> Option<(u64, Vec<u32>)> {
+pub fn cpu_time(pid: u32) -> CpuTime {
+    let ticks = |pid: u32| -> Option<((u64, u64), Vec<u32>)> {
         let process = procfs::process::Process::new(i32::try_from(pid).ok()?).ok()?;
         let stat = process.stat().ok()?;
         let children = process
@@ -203,15 +224,18 @@ pub fn cpu_time(pid: u32) -> Duration {
             .filter_map(|task| task.children().ok())
             .flatten()
             .collect();
-        Some((stat.utime + stat.stime, children))
+        Some(((stat.utime, stat.stime), children))
     };
-    let (own, children) = ticks(pid).unwrap_or_default();
-    let total = own
-        + children
-            .into_iter()
-            .filter_map(|c| ticks(c).map(|t| t.0))
-            .sum::<u64>();
-    Duration::from_secs_f64(total as f64 / procfs::ticks_per_second() as f64)
+    let ((mut user, mut system), children) = ticks(pid).unwrap_or_default();
+    for ((u, s), _) in children.into_iter().filter_map(ticks) {
+        user += u;
+        system += s;
+    }
+    let seconds = |t: u64| Duration::from_secs_f64(t as f64 / procfs::ticks_per_second() as f64);
+    CpuTime {
+        user: seconds(user),
+        system: seconds(system),
+    }
 }
 
 /// What one `wrk` run measured.

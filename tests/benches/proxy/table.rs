@@ -11,7 +11,7 @@ use std::{
 
 use bytes::Bytes;
 use guard_tests::{
-    peers::{Load, Peer, Wrk, cpu_time},
+    peers::{CpuTime, Load, Peer, Wrk, cpu_time},
     servers::GuardProcess,
 };
 use http_body_util::{BodyExt as _, Full, combinators::BoxBody};
@@ -90,7 +90,7 @@ pub async fn run() {
     for (clients, loads) in CLIENTS.iter().zip(&loads) {
         rows.extend(load_rows(*clients, loads));
     }
-    rows.push(cpu_row(&stage, fixed.pid(), Duration::from_secs(seconds)));
+    rows.extend(cpu_rows(&stage, fixed.pid(), Duration::from_secs(seconds)));
     drop(stage);
     let stage = Stage::new(frame_upstream());
     rows.push(frames_row(&stage).await);
@@ -131,8 +131,9 @@ fn fixed_loads(stage: &Stage, duration: Duration) -> Vec<[Option<Load>; 5]> {
 }
 
 /// CPU per request at 64 clients: the upstream's own for direct, each proxy's (all its
-/// threads and processes) for the others. Steadier than req/s on a shared machine.
-fn cpu_row(stage: &Stage, upstream_pid: u32, duration: Duration) -> Row {
+/// threads and processes) for the others, and of it what ran in user space and in the
+/// kernel. Steadier than req/s on a shared machine.
+fn cpu_rows(stage: &Stage, upstream_pid: u32, duration: Duration) -> [Row; 3] {
     let targets = stage.targets(Some("/api/chat"), "/api/show");
     let pids = [
         upstream_pid,
@@ -146,19 +147,25 @@ fn cpu_row(stage: &Stage, upstream_pid: u32, duration: Duration) -> Row {
         duration,
         threads: 2,
     };
-    let cells = std::array::from_fn(|i| {
+    let used: [Option<(CpuTime, u64)>; 5] = std::array::from_fn(|i| {
         let (addr, path) = targets[i]?;
         let before = cpu_time(pids[i]);
         let load = wrk.run(addr, path, CHAT);
-        let used = cpu_time(pids[i]).saturating_sub(before);
+        let used = cpu_time(pids[i]).since(before);
         assert_eq!(load.errors, 0, "{path}: {load:?}");
-        Some(used.as_secs_f64() * 1e6 / load.requests.max(1) as f64)
+        Some((used, load.requests.max(1)))
     });
-    Row::new(
-        "CPU per request (us), 64 clients".into(),
-        cells,
-        Better::Lower,
-    )
+    let row = |label: &str, part: fn(CpuTime) -> Duration| {
+        let cells = used.map(|cell| {
+            cell.map(|(cpu, requests)| part(cpu).as_secs_f64() * 1e6 / requests as f64)
+        });
+        Row::new(label.into(), cells, Better::Lower)
+    };
+    [
+        row("CPU per request (us), 64 clients", CpuTime::total),
+        row("  of it in user space (us)", |cpu| cpu.user),
+        row("  of it in the kernel (us)", |cpu| cpu.system),
+    ]
 }
 
 /// How a line's figures compare: higher is better, or lower is.
