@@ -206,13 +206,7 @@ impl Answers {
 #[tokio::test(flavor = "multi_thread")]
 async fn idle_connections_are_parked_and_go_on_where_they_stopped() {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let upstream = guard_tests::http::scripted_upstream(|head| {
-        head.starts_with(b"GET ").then(|| {
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
-                .to_vec()
-        })
-    })
-    .await;
+    let upstream = guard_tests::http::empty_json_on_get().await;
     let mut guard = GuardProcess::start(
         upstream,
         "ollama",
@@ -280,13 +274,7 @@ async fn idle_connections_are_parked_and_go_on_where_they_stopped() {
 #[tokio::test(flavor = "multi_thread")]
 async fn idle_connections_up_to_ready_connections_stay_in_hyper_and_the_rest_park() {
     use tokio::io::AsyncWriteExt as _;
-    let upstream = guard_tests::http::scripted_upstream(|head| {
-        head.starts_with(b"GET ").then(|| {
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
-                .to_vec()
-        })
-    })
-    .await;
+    let upstream = guard_tests::http::empty_json_on_get().await;
     let guard = GuardProcess::start(upstream, "ollama", "[server]\nready_connections = 1\n");
     let get = b"GET /api/tags HTTP/1.1\r\nhost: g\r\n\r\n";
     // One after another: the first stays in hyper between requests (one is allowed), each

@@ -218,21 +218,9 @@ async fn lines() {
     );
 }
 
-/// An upstream that answers a GET at once (`{}`) and never answers anything else: the one
-/// queued request dispatched holds the slot.
-async fn upstream() -> std::net::SocketAddr {
-    guard_tests::http::scripted_upstream(|head| {
-        head.starts_with(b"GET ").then(|| {
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
-                .to_vec()
-        })
-    })
-    .await
-}
-
 async fn connections() {
     raise_nofile();
-    let upstream = upstream().await;
+    let upstream = guard_tests::http::empty_json_on_get().await;
     let guard = GuardProcess::start(
         upstream,
         "ollama",

@@ -251,6 +251,18 @@ pub async fn post_frames(
     Ok(status)
 }
 
+/// A raw upstream that answers every GET at once with `{}` and never answers anything else
+/// (a queued request sent to it holds its slot).
+pub async fn empty_json_on_get() -> SocketAddr {
+    scripted_upstream(|head| {
+        head.starts_with(b"GET ").then(|| {
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+                .to_vec()
+        })
+    })
+    .await
+}
+
 /// A raw HTTP/1.1 upstream on loopback, for answers hyper would not write (a header's own
 /// spelling) or never writes (none at all): each request head on a connection gets
 /// `answer(head)` as bytes, or, for None, no answer ever (the connection is held).
