@@ -275,7 +275,7 @@ async fn idle_connections_are_parked_and_go_on_where_they_stopped() {
 async fn idle_connections_up_to_ready_connections_stay_in_hyper_and_the_rest_park() {
     use tokio::io::AsyncWriteExt as _;
     let upstream = guard_tests::http::empty_json_on_get().await;
-    let guard = GuardProcess::start(upstream, "ollama", "[server]\nready_connections = 1\n");
+    let mut guard = GuardProcess::start(upstream, "ollama", "[server]\nready_connections = 1\n");
     let get = b"GET /api/tags HTTP/1.1\r\nhost: g\r\n\r\n";
     // One after another: the first stays in hyper between requests (one is allowed), each
     // later one parks once answered, as more than one would then be in hyper.
@@ -289,9 +289,23 @@ async fn idle_connections_up_to_ready_connections_stay_in_hyper_and_the_rest_par
     guard.wait_for_metric("guard_connections_parked", 2.0).await;
     // Had the first parked too, it would have done so before the others were answered.
     assert_eq!(guard.metric("guard_connections_parked").await, 2.0);
+    // The key is read at the start only: a reload says so, and the first stays in hyper.
+    let config = std::fs::read_to_string(&guard.config_path).expect("read config");
+    let every = config.replace("ready_connections = 1", "ready_connections = 0");
+    std::fs::write(&guard.config_path, every).expect("write");
+    guard.hangup();
+    let warned = guard.wait_for_log("takes effect at the next start only");
+    assert!(
+        warned
+            .last()
+            .is_some_and(|l| l.contains("server.ready_connections")),
+        "{warned:?}"
+    );
+    guard.wait_for_log("config reloaded");
     for client in &mut clients {
         client.stream.write_all(get).await.expect("send");
         assert!(client.next().await.starts_with("HTTP/1.1 200"));
     }
     guard.wait_for_metric("guard_connections_parked", 2.0).await;
+    assert_eq!(guard.metric("guard_connections_parked").await, 2.0);
 }

@@ -425,7 +425,7 @@ async fn sighup_reloads_limits_and_a_bad_file_keeps_the_old_config() {
     let config = std::fs::read_to_string(&guard.config_path).expect("read config");
     let wider = config.replace("max_queue = 2", "max_queue = 3");
     std::fs::write(&guard.config_path, wider).expect("write");
-    hangup(&guard);
+    guard.hangup();
     guard.wait_for_log("config reloaded");
     assert_eq!(
         guard.metric("guard_queue_depth{class=\"batch\"}").await,
@@ -438,7 +438,7 @@ async fn sighup_reloads_limits_and_a_bad_file_keeps_the_old_config() {
         .await;
 
     std::fs::write(&guard.config_path, "[class.batch]\nmax_queue = \"lots\"\n").expect("write");
-    hangup(&guard);
+    guard.hangup();
     let refused = guard.wait_for_log("config refused");
     assert!(
         refused
@@ -464,14 +464,6 @@ async fn sighup_reloads_limits_and_a_bad_file_keeps_the_old_config() {
         assert_eq!(task.await.expect("queued").0.status, 200);
     }
     running.await.expect("running");
-}
-
-fn hangup(guard: &GuardProcess) {
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(guard.pid() as i32),
-        nix::sys::signal::Signal::SIGHUP,
-    )
-    .expect("SIGHUP");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -410,6 +410,14 @@ fn reload(
                     next.server.max_connections != current.server.max_connections,
                 ),
                 (
+                    "server.header_read_timeout_ms",
+                    next.server.header_read_timeout_ms != current.server.header_read_timeout_ms,
+                ),
+                (
+                    "server.ready_connections",
+                    next.server.ready_connections != current.server.ready_connections,
+                ),
+                (
                     "metrics.max_connections / header_read_timeout_ms / bearer_token_file",
                     next.metrics != current.metrics,
                 ),

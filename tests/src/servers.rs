@@ -420,6 +420,15 @@ impl GuardProcess {
         }
     }
 
+    /// SIGHUP: reload the config file.
+    pub fn hangup(&self) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid() as i32),
+            nix::sys::signal::Signal::SIGHUP,
+        )
+        .expect("SIGHUP");
+    }
+
     /// SIGTERM; returns the exit status (None if it had to be killed).
     pub fn terminate(&mut self) -> Option<std::process::ExitStatus> {
         stop(&mut self.child, Duration::from_secs(30))
