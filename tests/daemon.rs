@@ -290,16 +290,10 @@ async fn idle_connections_up_to_ready_connections_stay_in_hyper_and_the_rest_par
     // Had the first parked too, it would have done so before the others were answered.
     assert_eq!(guard.metric("guard_connections_parked").await, 2.0);
     // The key is read at the start only: a reload says so, and the first stays in hyper.
-    let config = std::fs::read_to_string(&guard.config_path).expect("read config");
-    let every = config.replace("ready_connections = 1", "ready_connections = 0");
-    std::fs::write(&guard.config_path, every).expect("write");
-    guard.hangup();
-    let warned = guard.wait_for_log("takes effect at the next start only");
-    assert!(
-        warned
-            .last()
-            .is_some_and(|l| l.contains("server.ready_connections")),
-        "{warned:?}"
+    guard.edit_config_and_reload("ready_connections = 1", "ready_connections = 0");
+    guard.wait_for_log_naming(
+        "takes effect at the next start only",
+        "server.ready_connections",
     );
     guard.wait_for_log("config reloaded");
     for client in &mut clients {

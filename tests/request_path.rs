@@ -422,10 +422,7 @@ async fn sighup_reloads_limits_and_a_bad_file_keeps_the_old_config() {
     .await;
     assert_eq!(full.status, 503);
 
-    let config = std::fs::read_to_string(&guard.config_path).expect("read config");
-    let wider = config.replace("max_queue = 2", "max_queue = 3");
-    std::fs::write(&guard.config_path, wider).expect("write");
-    guard.hangup();
+    guard.edit_config_and_reload("max_queue = 2", "max_queue = 3");
     guard.wait_for_log("config reloaded");
     assert_eq!(
         guard.metric("guard_queue_depth{class=\"batch\"}").await,
@@ -439,13 +436,7 @@ async fn sighup_reloads_limits_and_a_bad_file_keeps_the_old_config() {
 
     std::fs::write(&guard.config_path, "[class.batch]\nmax_queue = \"lots\"\n").expect("write");
     guard.hangup();
-    let refused = guard.wait_for_log("config refused");
-    assert!(
-        refused
-            .last()
-            .is_some_and(|l| l.contains("class.batch.max_queue")),
-        "{refused:?}"
-    );
+    guard.wait_for_log_naming("config refused", "class.batch.max_queue");
     assert_eq!(
         guard
             .metric("guard_config_reloads_total{result=\"refused\"}")

@@ -420,6 +420,23 @@ impl GuardProcess {
         }
     }
 
+    /// Rewrites the config file with `from` replaced by `to`, then SIGHUP.
+    pub fn edit_config_and_reload(&self, from: &str, to: &str) {
+        let config = std::fs::read_to_string(&self.config_path).expect("read config");
+        assert!(config.contains(from), "{from} is not in the config");
+        std::fs::write(&self.config_path, config.replace(from, to)).expect("write config");
+        self.hangup();
+    }
+
+    /// Waits for the next log line with `text`, and asserts that it names `key`.
+    pub fn wait_for_log_naming(&mut self, text: &str, key: &str) {
+        let lines = self.wait_for_log(text);
+        assert!(
+            lines.last().is_some_and(|l| l.contains(key)),
+            "{key} not named: {lines:?}"
+        );
+    }
+
     /// SIGHUP: reload the config file.
     pub fn hangup(&self) {
         nix::sys::signal::kill(
