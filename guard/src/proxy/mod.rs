@@ -95,8 +95,6 @@ pub struct Proxy {
     max_connections: usize,
     /// Client connections hyper may keep between requests (`server.ready_connections`).
     ready_connections: usize,
-    /// Client connections in hyper's hands now.
-    in_hyper: std::sync::atomic::AtomicUsize,
     ttft: Arc<crate::throttle::ttft::TtftWindow>,
     tally: Arc<Tally>,
     throughput: Arc<Throughput>,
@@ -160,7 +158,6 @@ impl Proxy {
             passing: Arc::default(),
             max_connections: config.server.max_connections as usize,
             ready_connections: config.server.ready_connections as usize,
-            in_hyper: std::sync::atomic::AtomicUsize::new(0),
             ttft: parts.ttft,
             tally: parts.tally,
             throughput: parts.throughput,

@@ -27,7 +27,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 pub struct Activity {
     /// Request bodies and answers hyper still holds.
     open: AtomicUsize,
-    /// Request heads hyper has parsed since the connection last came out of parking.
+    /// Request heads hyper has parsed in this session (a fresh value each time the
+    /// connection comes out of parking).
     heads: AtomicUsize,
     /// A request body was let go before its end: hyper drains or closes, never parks.
     spoiled: AtomicBool,
@@ -52,17 +53,12 @@ impl Activity {
     /// hyper connection does not count itself idle, and asked to stop it would serve one more
     /// request and close rather than stop at once.
     pub fn take_waiting(&self) -> bool {
-        self.waiting.swap(false, Ordering::Relaxed) && self.heads.load(Ordering::Relaxed) > 0
+        self.waiting.swap(false, Ordering::Relaxed) && self.has_heads()
     }
 
-    /// Whether hyper has parsed a request head since the connection last came out of parking.
+    /// Whether hyper has parsed a request head in this session.
     pub fn has_heads(&self) -> bool {
         self.heads.load(Ordering::Relaxed) > 0
-    }
-
-    /// Heads parsed since the last call.
-    pub fn take_heads(&self) -> usize {
-        self.heads.swap(0, Ordering::Relaxed)
     }
 
     /// From now on hyper's shutdown of the socket leaves it open (or, with false, closes it).

@@ -2,17 +2,7 @@
 //! its client is known to have left, or guard stops; between requests an idle connection is
 //! parked outside hyper (`park`).
 
-use std::{
-    convert::Infallible,
-    net::SocketAddr,
-    pin::Pin,
-    sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    },
-    task::Poll,
-    time::Duration,
-};
+use std::{convert::Infallible, net::SocketAddr, pin::Pin, sync::Arc, task::Poll, time::Duration};
 
 use bytes::{Bytes, BytesMut};
 use http::{Request, Response};
@@ -204,8 +194,8 @@ pub fn serve_connection<I: Parkable>(
 }
 
 /// hyper serves the connection while requests come; whenever it waits for the next request
-/// with nothing left to send, the socket is taken back and parked, holding no buffer, until
-/// the client sends again. hyper's header-read timeout holds across: a connection that
+/// with nothing left to send and more than `server.ready_connections` are in its hands, the
+/// socket is taken back and parked, holding no buffer, until the client sends again. hyper's header-read timeout holds across: a connection that
 /// completes no request head within it from its last answer (or its accept) is closed.
 async fn sessions<I: Parkable>(
     proxy: &Arc<Proxy>,
@@ -230,10 +220,9 @@ async fn sessions<I: Parkable>(
         let Some((back, rest)) = session.run(io, leftover, &mut shutdown).await else {
             return;
         };
+        // A session parks only after an answer: the next head is due from now.
         (io, leftover) = (back, rest);
-        if activity.take_heads() > 0 {
-            deadline = Instant::now() + timeout;
-        }
+        deadline = Instant::now() + timeout;
     }
 }
 
@@ -272,22 +261,6 @@ impl Drop for Counted<'_> {
     }
 }
 
-/// One connection in hyper's hands, counted for as long as it lives.
-struct InHyper<'a>(&'a AtomicUsize);
-
-impl<'a> InHyper<'a> {
-    fn new(count: &'a AtomicUsize) -> Self {
-        count.fetch_add(1, Ordering::Relaxed);
-        Self(count)
-    }
-}
-
-impl Drop for InHyper<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
 /// One stretch of a connection in hyper's hands.
 struct Session<'a> {
     proxy: &'a Arc<Proxy>,
@@ -306,7 +279,6 @@ impl Session<'_> {
         leftover: Bytes,
         shutdown: &mut Option<watch::Receiver<bool>>,
     ) -> Option<(Lingering<I>, Bytes)> {
-        let _in_hyper = InHyper::new(&self.proxy.in_hyper);
         let io = Watched::new(io, leftover, Arc::clone(self.activity));
         let half_close = self.proxy.half_close_means_gone();
         // Boxed: while the connection is parked, none of hyper's state is held.
@@ -368,7 +340,10 @@ impl Session<'_> {
     /// idle one leaves. Below it, an idle connection stays in hyper, ready for its next
     /// request at no cost (parking and coming back cost about a tenth of a small request).
     fn crowded(&self) -> bool {
-        self.proxy.in_hyper.load(Ordering::Relaxed) > self.proxy.ready_connections
+        // Every open connection is parked or in hyper's hands.
+        let metrics = &self.proxy.metrics;
+        let in_hyper = metrics.connections.get() - metrics.connections_parked.get();
+        usize::try_from(in_hyper).is_ok_and(|n| n > self.proxy.ready_connections)
     }
 
     /// The proxy's handler, each request's body and answer carrying a token of the session's

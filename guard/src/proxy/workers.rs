@@ -143,27 +143,22 @@ impl Anchor {
     }
 }
 
-/// A connection open on this serving thread, for as long as it lives; nothing elsewhere.
-pub struct OpenHere(Option<Arc<Anchor>>);
+/// A connection open on this serving thread, for as long as it lives.
+pub struct OpenHere(Arc<Anchor>);
 
 impl OpenHere {
     pub fn new() -> Self {
-        if current().is_none() {
-            return Self(None);
-        }
         let anchor = ANCHOR.with(Arc::clone);
         if anchor.open.fetch_add(1, Ordering::Relaxed) == 0 {
             anchor.resumed.notify_one();
         }
-        Self(Some(anchor))
+        Self(anchor)
     }
 }
 
 impl Drop for OpenHere {
     fn drop(&mut self) {
-        if let Some(anchor) = &self.0 {
-            anchor.open.fetch_sub(1, Ordering::Relaxed);
-        }
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

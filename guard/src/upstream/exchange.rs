@@ -71,17 +71,11 @@ pub enum Dial {
 /// woken across threads (an eventfd write and a context switch each).
 pub struct Connector {
     dial: Dial,
-    idle: Mutex<Pools>,
+    /// Each serving thread's idle connections, oldest first: connections are checked in in
+    /// time order, so the expired ones are at the front and each check-in or check-out touches
+    /// only the ends.
+    idle: Mutex<HashMap<ThreadId, VecDeque<Idle>>>,
     idle_max: AtomicUsize,
-}
-
-/// Each thread's idle connections, oldest first: connections are checked in in time order,
-/// so the expired ones are at the front and each check-in or check-out touches only the ends.
-#[derive(Default)]
-struct Pools {
-    by_thread: HashMap<ThreadId, VecDeque<Idle>>,
-    /// Of all threads.
-    count: usize,
 }
 
 /// A keep-alive connection with no exchange on it.
@@ -105,7 +99,7 @@ impl Connector {
         self.idle_max.store(idle_max, Ordering::Relaxed);
     }
 
-    fn idle(&self) -> std::sync::MutexGuard<'_, Pools> {
+    fn idle(&self) -> std::sync::MutexGuard<'_, HashMap<ThreadId, VecDeque<Idle>>> {
         self.idle
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -114,10 +108,8 @@ impl Connector {
     /// This thread's most recent idle connection that is young and still open.
     fn check_out(&self) -> Option<Idle> {
         let mut pools = self.idle();
-        let Pools { by_thread, count } = &mut *pools;
-        let pool = by_thread.get_mut(&std::thread::current().id())?;
+        let pool = pools.get_mut(&std::thread::current().id())?;
         while let Some(mut candidate) = pool.pop_back() {
-            *count -= 1;
             if candidate.since.elapsed() < IDLE_TTL && candidate.is_open() {
                 return Some(candidate);
             }
@@ -133,18 +125,18 @@ impl Connector {
         }
         let max = self.idle_max.load(Ordering::Relaxed).max(1);
         let mut pools = self.idle();
-        let Pools { by_thread, count } = &mut *pools;
-        let pool = by_thread.entry(std::thread::current().id()).or_default();
+        // One pool per serving thread: a sum over a handful.
+        let mut count: usize = pools.values().map(VecDeque::len).sum();
+        let pool = pools.entry(std::thread::current().id()).or_default();
         while pool
             .front()
-            .is_some_and(|old| old.since.elapsed() >= IDLE_TTL || *count >= max)
+            .is_some_and(|old| old.since.elapsed() >= IDLE_TTL || count >= max)
         {
             pool.pop_front();
-            *count -= 1;
+            count -= 1;
         }
-        if *count < max {
+        if count < max {
             pool.push_back(idle);
-            *count += 1;
         }
     }
 }
