@@ -1,6 +1,7 @@
 //! Interactive never waits for batch: on the real llama-server with one slot, a flood of long
 //! batch jobs (streamed and whole) is preempted for each interactive chat and goes on where it
-//! stopped; every batch client gets its whole answer, in the form it asked for.
+//! stopped; every batch client gets its whole answer, in the form it asked for, and a preempted
+//! answer is byte for byte the unpreempted one.
 
 use std::time::{Duration, Instant};
 
@@ -78,18 +79,6 @@ fn p95(mut samples: Vec<Duration>) -> Duration {
 async fn interactive_preempts_batch_which_goes_on_where_it_stopped() {
     let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
-    // What each batch job answers when nothing interrupts it.
-    let mut reference = Vec::new();
-    for prompt in PROMPTS {
-        let answer = post(
-            llama.addr,
-            "/v1/chat/completions",
-            &[],
-            &batch_body(prompt, false),
-        )
-        .await;
-        reference.push(text_of(false, &answer.body));
-    }
     let guard = GuardProcess::start(llama.addr, "openai", CONFIG);
     let mut idle = Vec::new();
     for _ in 0..5 {
@@ -117,32 +106,32 @@ async fn interactive_preempts_batch_which_goes_on_where_it_stopped() {
         tokio::time::sleep(Duration::from_millis(150)).await;
     }
     let busy_p95 = p95(busy.clone());
-    let mut same = 0;
     for (n, job) in jobs.into_iter().enumerate() {
         let (status, stream, body) = job.await.expect("batch job");
         assert_eq!(status, 200, "job {n}");
         let text = text_of(stream, &body);
         assert!(!text.is_empty(), "job {n} has an answer");
-        if text == reference[n] {
-            same += 1;
-        } else {
-            eprintln!("job {n} differs:\n  {:?}\n  {:?}", reference[n], text);
-        }
     }
-    let preempted = guard.metric("guard_preempted_total{class=\"batch\"}").await;
+    let text = guard.metrics_text().await;
+    let m = |series: &str| guard_tests::metric(&text, series).unwrap_or(0.0);
+    let preempted = m("guard_preempted_total{class=\"batch\"}");
     eprintln!(
-        "idle p95 {idle_p95:?}, during the flood p95 {busy_p95:?} ({busy:?}); \
-         {preempted} preemptions; {same} of {} answers as uninterrupted",
-        PROMPTS.len()
+        "idle p95 {idle_p95:?}, during the flood p95 {busy_p95:?} ({busy:?}); {preempted} preemptions"
     );
     assert!(preempted >= 1.0, "batch was preempted");
+    assert_eq!(
+        m("guard_preempt_resumes_total{class=\"batch\",kind=\"exact\"}"),
+        preempted,
+        "every resume on llama-server is exact"
+    );
+    assert_eq!(
+        m("guard_jobs_total{class=\"batch\",result=\"valid\"}"),
+        PROMPTS.len() as f64,
+        "every batch job is whole"
+    );
     assert!(
         busy_p95 <= idle_p95 + Duration::from_millis(150),
         "interactive p95 {busy_p95:?} against {idle_p95:?} idle"
-    );
-    assert!(
-        same * 2 > PROMPTS.len(),
-        "most resumed answers are the uninterrupted ones"
     );
 }
 
@@ -318,5 +307,327 @@ async fn a_class_that_expects_json_counts_only_json_answers() {
             .as_u64()
             .unwrap_or(0)
             >= 16
+    );
+}
+
+/// The exact-resume tests: a batch class that is preempted only where it goes on exactly.
+const EXACT: &str = "[estimate]\ninitial_service_ms = 100\n\
+                     [class.interactive]\npriority = 0\nmax_queue = 8\n\
+                     [class.batch]\npriority = 10\nmax_queue = 100\npreemptible = \"exact-only\"\n";
+
+/// Where a job is when the interactive chat comes.
+#[derive(Clone, Copy, Debug)]
+enum At {
+    /// Still reading its (long) prompt.
+    Prompt,
+    /// Three tokens in.
+    Early,
+    /// Two thirds of its tokens in.
+    Late,
+}
+
+/// One job shape: its endpoint and body, and whether its client streams.
+struct Job {
+    path: &'static str,
+    body: serde_json::Value,
+    stream: bool,
+}
+
+impl Job {
+    fn shapes() -> [Self; 4] {
+        let chat = |content: &str| json!([{ "role": "user", "content": content }]);
+        [
+            Self {
+                path: "/v1/chat/completions",
+                body: json!({ "messages": chat("Tell me a short story about a cat."),
+                              "max_tokens": 150, "temperature": 0 }),
+                stream: false,
+            },
+            // No token limit: it ends at its own stop (50 to 110 tokens).
+            Self {
+                path: "/v1/chat/completions",
+                body: json!({ "messages": chat("Explain in a short paragraph why the sky is blue."),
+                              "temperature": 0, "stream": true }),
+                stream: true,
+            },
+            Self {
+                path: "/completion",
+                body: json!({ "prompt": "Once upon a time, in a quiet village,", "n_predict": 120,
+                              "temperature": 0, "stream": true }),
+                stream: true,
+            },
+            Self {
+                path: "/v1/completions",
+                body: json!({ "prompt": "The history of the bicycle begins", "max_tokens": 100,
+                              "temperature": 0 }),
+                stream: false,
+            },
+        ]
+    }
+
+    /// The same job, its prompt unique to run `n` (so that no server has it cached) and, where
+    /// `long`, behind a preamble that takes the server seconds to read.
+    fn variant(&self, n: usize, long: bool) -> Self {
+        let preamble = match long {
+            true => "Read this note and then answer. The note: a river runs past a mill and \
+                     the miller counts the sacks of grain each morning. "
+                .repeat(30),
+            false => String::new(),
+        };
+        let prompt = |text: &str| json!(format!("Request {n}. {preamble}{text}"));
+        let mut body = self.body.clone();
+        if let Some(content) = body.pointer_mut("/messages/0/content") {
+            *content = prompt(content.as_str().unwrap_or_default());
+        } else if let Some(text) = body.get_mut("prompt") {
+            *text = prompt(text.as_str().unwrap_or_default());
+        }
+        Self {
+            path: self.path,
+            body,
+            stream: self.stream,
+        }
+    }
+
+    fn variant_of_itself(&self) -> Self {
+        Self {
+            path: self.path,
+            body: self.body.clone(),
+            stream: self.stream,
+        }
+    }
+
+    async fn send(&self, addr: std::net::SocketAddr, headers: &[(&str, &str)]) -> (u16, String) {
+        let answer = post_streamed(addr, self.path, headers, &self.body).await;
+        let bytes: Vec<u8> = answer.frames.iter().flat_map(|(_, b)| b.to_vec()).collect();
+        (answer.status, comparable(self.stream, &bytes))
+    }
+}
+
+/// An answer without what differs between any two runs of the same request straight to
+/// llama-server (its id and creation second, the server's timings and prompt-cache counts,
+/// the token budget it echoes in its settings): the rest, every event in order, is compared
+/// byte for byte.
+fn comparable(stream: bool, body: &[u8]) -> String {
+    fn strip(payload: &str) -> String {
+        let Ok(mut value) = serde_json::from_str::<serde_json::Value>(payload) else {
+            return payload.to_owned();
+        };
+        if let Some(map) = value.as_object_mut() {
+            for key in ["id", "created", "timings", "tokens_cached", "id_slot"] {
+                map.remove(key);
+            }
+            if let Some(usage) = map.get_mut("usage").and_then(|u| u.as_object_mut()) {
+                usage.remove("prompt_tokens_details");
+            }
+            if let Some(settings) = map
+                .get_mut("generation_settings")
+                .and_then(|s| s.as_object_mut())
+            {
+                settings.remove("n_predict");
+                settings.remove("max_tokens");
+                settings.remove("timings_per_token");
+            }
+        }
+        value.to_string()
+    }
+    let text = String::from_utf8_lossy(body);
+    if !stream {
+        return strip(&text);
+    }
+    text.lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .map(strip)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Waits until llama-server's one slot has generated `tokens` of its running task.
+async fn decoded(llama: std::net::SocketAddr, tokens: u64) {
+    let started = Instant::now();
+    loop {
+        let slots = guard_tests::http::get(llama, "/slots")
+            .await
+            .expect("slots")
+            .json();
+        let n = slots[0]["next_token"][0]["n_decoded"].as_u64().unwrap_or(0);
+        if slots[0]["is_processing"] == true && n >= tokens {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "no {tokens} tokens"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Every job shape (a whole chat with a token limit, a streamed chat without one, llama-server's
+/// `/completion` streamed, `/v1/completions` whole), preempted while it reads its prompt, early
+/// and late: the client's answer is, byte for byte, the one the same request gets straight from
+/// a llama-server in the same state: a second one, started alike for each run. (llama-server's
+/// own answers depend on its cache: a prompt it reads in one batch and the same prompt found in
+/// its cache, its last token evaluated again alone, can tip a near tie apart at temperature 0;
+/// so each run starts both servers fresh.) Each resume goes on from the exact token ids and
+/// reads at most 16 prompt tokens again, by llama-server's own count.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_preempted_answer_is_byte_for_byte_the_unpreempted_one() {
+    let _serial = serial().await;
+    let batch = [("x-guard-class", "batch")];
+    let chat = json!({
+        "messages": [{ "role": "user", "content": "Say hi." }],
+        "max_tokens": 4,
+        "stream": true,
+    });
+    let m = |text: &str, series: &str| guard_tests::metric(text, series).unwrap_or(0.0);
+    let mut n = 0;
+    let only = std::env::var("GUARD_TEST_SHAPE").ok();
+    for shape in Job::shapes() {
+        if only.as_deref().is_some_and(|path| path != shape.path) {
+            continue;
+        }
+        for at in [At::Prompt, At::Early, At::Late] {
+            n += 1;
+            let job = shape.variant(n, matches!(at, At::Prompt));
+            let (llama, reference) = tokio::join!(LlamaServer::start(1), LlamaServer::start(1));
+            let guard = GuardProcess::start(llama.addr, "openai", EXACT);
+            let straight = job.send(reference.addr, &[]).await;
+            let length = reference.metric("tokens_predicted_total").await as u64;
+            let text = guard.metrics_text().await;
+            let before = (
+                llama.metric("prompt_tokens_total").await,
+                m(&text, "guard_preempted_total{class=\"batch\"}"),
+                m(
+                    &text,
+                    "guard_preempt_resumes_total{class=\"batch\",kind=\"exact\"}",
+                ),
+                m(&text, "guard_preempt_reread_tokens_total{class=\"batch\"}"),
+                m(
+                    &text,
+                    "guard_prompt_tokens_total{class=\"batch\",source=\"computed\"}",
+                ) + m(
+                    &text,
+                    "guard_prompt_tokens_total{class=\"interactive\",source=\"computed\"}",
+                ),
+            );
+            let running = {
+                let (addr, job) = (guard.listen, job.variant_of_itself());
+                tokio::spawn(async move { job.send(addr, &batch).await })
+            };
+            guard
+                .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+                .await;
+            match at {
+                At::Prompt => {}
+                At::Early => decoded(llama.addr, 3).await,
+                At::Late => decoded(llama.addr, length * 2 / 3).await,
+            }
+            let answered = post_streamed(guard.listen, "/v1/chat/completions", &[], &chat).await;
+            assert_eq!(answered.status, 200);
+            let through = running.await.expect("batch job");
+            let what = format!("{} at {at:?}", job.path);
+            assert_eq!(through.0, 200, "{what}");
+            if through.1 != straight.1 {
+                let (ours, theirs): (Vec<_>, Vec<_>) =
+                    (through.1.lines().collect(), straight.1.lines().collect());
+                let at = ours.iter().zip(&theirs).position(|(a, b)| a != b);
+                let line = |lines: &[&str], n: Option<usize>| {
+                    n.and_then(|n| lines.get(n)).map(|l| l.to_string())
+                };
+                panic!(
+                    "{what}: the answer differs at event {at:?} of {} (straight {}):\n  through guard: {:?}\n  straight:      {:?}",
+                    ours.len(),
+                    theirs.len(),
+                    line(&ours, at),
+                    line(&theirs, at),
+                );
+            }
+            let text = guard.metrics_text().await;
+            let preempted = m(&text, "guard_preempted_total{class=\"batch\"}") - before.1;
+            let exact = m(
+                &text,
+                "guard_preempt_resumes_total{class=\"batch\",kind=\"exact\"}",
+            ) - before.2;
+            assert_eq!((preempted, exact), (1.0, 1.0), "{what}: one exact resume");
+            let reread = m(&text, "guard_preempt_reread_tokens_total{class=\"batch\"}") - before.3;
+            assert!(reread <= 16.0, "{what}: {reread} tokens read again");
+            // guard's counts are llama-server's own: what it read in all is the job's prompt,
+            // the chat's, what the resume read again and any padding, each as guard counted
+            // it.
+            let read = llama.metric("prompt_tokens_total").await - before.0;
+            let counted = m(
+                &text,
+                "guard_prompt_tokens_total{class=\"batch\",source=\"computed\"}",
+            ) + m(
+                &text,
+                "guard_prompt_tokens_total{class=\"interactive\",source=\"computed\"}",
+            ) - before.4;
+            assert_eq!(
+                read, counted,
+                "{what}: llama-server read {read}, guard counted {counted}"
+            );
+            eprintln!("{what}: {reread} prompt tokens read again");
+        }
+    }
+}
+
+/// llama-server dies while a preempted request waits to go on, and comes back with an empty
+/// cache: the client gets a clean error in its API's shape, never a cut answer passed off as
+/// whole, and the job counts as invalid; the next job goes through the restarted server whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_paused_request_whose_server_dies_fails_cleanly() {
+    let _serial = serial().await;
+    let mut llama = LlamaServer::start(1).await;
+    let guard = GuardProcess::start(llama.addr, "openai", EXACT);
+    let batch = [("x-guard-class", "batch")];
+    let body = json!({
+        "messages": [{ "role": "user", "content": "Tell me a short story about a cat." }],
+        "max_tokens": 150,
+        "temperature": 0,
+    });
+    let job = {
+        let (addr, body) = (guard.listen, body.clone());
+        tokio::spawn(async move { post(addr, "/v1/chat/completions", &batch, &body).await })
+    };
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    decoded(llama.addr, 5).await;
+    // A long interactive answer holds the slot while the batch job waits.
+    let long = json!({
+        "messages": [{ "role": "user", "content": "Write a long story." }],
+        "max_tokens": 1000,
+        "stream": true,
+    });
+    let (head, _sender, _connection) =
+        guard_tests::http::open_post(guard.listen, "/v1/chat/completions", &[], &long)
+            .await
+            .expect("the interactive answer begins");
+    assert_eq!(head.status(), 200);
+    guard
+        .wait_for_metric("guard_preempted_total{class=\"batch\"}", 1.0)
+        .await;
+    llama.crash();
+    let answer = job.await.expect("batch job");
+    assert_eq!(answer.status, 502, "{}", answer.text());
+    let error = answer.json();
+    assert!(
+        error["error"]["message"].is_string() && error.get("choices").is_none(),
+        "an OpenAI error, not an answer: {error}"
+    );
+    guard
+        .wait_for_metric("guard_jobs_total{class=\"batch\",result=\"invalid\"}", 1.0)
+        .await;
+    llama.restart().await;
+    let again = post(guard.listen, "/v1/chat/completions", &batch, &body).await;
+    assert_eq!(again.status, 200, "{}", again.text());
+    let text = again.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .map(str::to_owned);
+    assert!(text.is_some_and(|t| !t.is_empty()));
+    assert_eq!(
+        guard
+            .metric("guard_jobs_total{class=\"batch\",result=\"valid\"}")
+            .await,
+        1.0
     );
 }

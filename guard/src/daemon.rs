@@ -141,6 +141,7 @@ pub async fn run(
     let ttft = Arc::new(TtftWindow::default());
     let tally = Arc::new(Tally::new(&metrics));
     let throughput = Arc::new(proxy::Throughput::default());
+    let resume_kinds = Arc::new(proxy::resumes::ResumeKinds::default());
     let running: watchers::RunningFn = {
         let scheduler = Arc::clone(&scheduler);
         Arc::new(move || scheduler.load().1)
@@ -162,6 +163,7 @@ pub async fn run(
             ttft: Arc::clone(&ttft),
             tally: Arc::clone(&tally),
             throughput: Arc::clone(&throughput),
+            resume_kinds: Arc::clone(&resume_kinds),
         },
     )?);
     let risk_view = Arc::new(risk::RiskView::default());
@@ -176,6 +178,7 @@ pub async fn run(
         throttler: Arc::clone(&throttler),
         tally,
         throughput,
+        resume_kinds,
         started,
     };
     let sources = Arc::new(sources);
@@ -466,6 +469,7 @@ struct StatusSources {
     throttler: Arc<Mutex<Throttler>>,
     tally: Arc<Tally>,
     throughput: Arc<proxy::Throughput>,
+    resume_kinds: Arc<proxy::resumes::ResumeKinds>,
     started: Instant,
 }
 
@@ -512,6 +516,7 @@ impl StatusSources {
             },
             classes,
             classified: self.tally.snapshot(),
+            preemption: self.preemption(),
             last_hour: self.throughput.last_hour(),
             capabilities: crate::privileges::held(),
             risk: RiskStatus {
@@ -525,6 +530,23 @@ impl StatusSources {
             watch,
             cluster,
         }
+    }
+
+    /// Per preemptible class, its setting and how its requests last went on.
+    fn preemption(&self) -> std::collections::BTreeMap<String, crate::status::PreemptStatus> {
+        let seen = self.resume_kinds.snapshot();
+        self.config
+            .class
+            .iter()
+            .filter(|(_, class)| class.preemptible != crate::config::Preemptible::No)
+            .map(|(name, class)| {
+                let status = crate::status::PreemptStatus {
+                    preemptible: class.preemptible,
+                    resume: seen.get(name).copied(),
+                };
+                (name.clone(), status)
+            })
+            .collect()
     }
 
     /// What the balancers are told now.

@@ -34,6 +34,16 @@ pub fn run(config: &Config) -> Vec<Check> {
         name: "upstream",
         result: upstream(config),
     });
+    if config
+        .class
+        .values()
+        .any(|class| class.preemptible != crate::config::Preemptible::No)
+    {
+        checks.push(Check {
+            name: "preempted requests go on",
+            result: Ok(resume(config)),
+        });
+    }
     checks.push(Check {
         name: "capabilities",
         result: Ok(capabilities(config, ebpf_ready)),
@@ -152,6 +162,48 @@ fn nvml() -> Result<String, String> {
              (guard_gpu_available 0). Install the driver where there is a GPU."
                 .to_owned()
         })
+}
+
+/// How a preemptible class's requests go on: from the exact token ids where the upstream is
+/// llama-server (its `/props` answers with a build), else from their text.
+fn resume(config: &Config) -> String {
+    if config.upstream.api == crate::config::Api::Ollama {
+        return "from their text: Ollama's API gives no token ids (preemptible = \"exact-only\" \
+                never stops them)"
+            .to_owned();
+    }
+    let props = get(config, "/props")
+        .and_then(|body| serde_json::from_slice::<crate::upstream::api::llama::Props>(&body).ok());
+    match props.and_then(|p| p.build_info) {
+        Some(build) => format!(
+            "from the exact token ids: llama-server {build} (its prompt cache, --cache-ram, \
+             on by default, holds the state; keep it on)"
+        ),
+        None => "from their text: the upstream is not llama-server, or did not answer /props \
+                 (preemptible = \"exact-only\" never stops them)"
+            .to_owned(),
+    }
+}
+
+/// One bodiless GET to the upstream; its body where it answers 200.
+fn get(config: &Config, path: &str) -> Option<Vec<u8>> {
+    use std::io::{Read as _, Write as _};
+    let authority = config.upstream.url.authority();
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(authority.as_str())
+        .ok()?
+        .next()?;
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    let request = format!("GET {path} HTTP/1.0\r\nHost: {authority}\r\n\r\n");
+    stream.write_all(request.as_bytes()).ok()?;
+    let mut answer = Vec::new();
+    stream.take(1 << 20).read_to_end(&mut answer).ok()?;
+    let mut headers = [httparse::EMPTY_HEADER; 32];
+    let mut response = httparse::Response::new(&mut headers);
+    let httparse::Status::Complete(at) = response.parse(&answer).ok()? else {
+        return None;
+    };
+    (response.code == Some(200)).then(|| answer[at..].to_vec())
 }
 
 fn upstream(config: &Config) -> Result<String, String> {

@@ -27,6 +27,10 @@ pub struct Status {
     /// (Defaults: a newer `guard status` still reads an older daemon.)
     #[serde(default)]
     pub classified: BTreeMap<String, BTreeMap<String, u64>>,
+    /// Per preemptible class: what its config says, and how its requests go on after a
+    /// preemption, as the last one was planned (none yet: no request so far).
+    #[serde(default)]
+    pub preemption: BTreeMap<String, PreemptStatus>,
     /// Per class, jobs and tokens over the last hour.
     #[serde(default)]
     pub last_hour: BTreeMap<String, crate::proxy::Hourly>,
@@ -39,6 +43,13 @@ pub struct Status {
     /// What the balancers are told: HAProxy's agent line, the llm-d router's values.
     #[serde(default)]
     pub cluster: crate::cluster::ClusterView,
+}
+
+/// A preemptible class's way of going on after a preemption.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PreemptStatus {
+    pub preemptible: crate::config::Preemptible,
+    pub resume: Option<crate::upstream::resume::ResumeKind>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -96,14 +96,14 @@ async fn flood_ttft() {
         "openai",
         "[class.interactive]\npriority = 0\nmax_queue = 8\n[class.batch]\npriority = 10\nmax_queue = 1000\n",
     );
-    let idle = workload::run(llama.addr, shape, false).await;
+    let idle = workload::run(llama.addr, llama.addr, shape, false).await;
     let body = serde_json::json!({ "prompt": "Extract every name from this text: ...", "n_predict": shape.batch_tokens, "ignore_eos": true });
     let started = Instant::now();
     guard_tests::http::post(llama.addr, "/completion", &[], &body).await;
     let batch_service = started.elapsed();
-    let direct = workload::run(llama.addr, shape, true).await;
+    let direct = workload::run(llama.addr, llama.addr, shape, true).await;
     workload::wait_until_idle(llama.addr).await;
-    let guarded = workload::run(guard.listen, shape, true).await;
+    let guarded = workload::run(guard.listen, llama.addr, shape, true).await;
     let ms = |x: Duration| x.as_secs_f64() * 1e3;
     let idle95 = percentile(&idle.ttft, 0.95);
     let target = (idle95 + batch_service).mul_f64(1.5);

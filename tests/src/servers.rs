@@ -41,6 +41,9 @@ fn stop(child: &mut Child, grace: Duration) -> Option<std::process::ExitStatus> 
 pub struct LlamaServer {
     pub addr: SocketAddr,
     child: Child,
+    /// Its slots and the extra arguments it was started with (a restart starts it alike).
+    slots: usize,
+    extra: Vec<String>,
 }
 
 impl LlamaServer {
@@ -51,10 +54,30 @@ impl LlamaServer {
 
     /// The same, with more of llama-server's own arguments.
     pub async fn start_with(slots: usize, extra: &[&str]) -> Self {
+        let extra: Vec<String> = extra.iter().map(|a| (*a).to_owned()).collect();
+        let addr = free_addr();
+        let child = Self::spawn(addr, slots, &extra);
+        let server = Self {
+            addr,
+            child,
+            slots,
+            extra,
+        };
+        server.ready().await;
+        server
+    }
+
+    /// Starts it again on the same address (after `crash` or `kill`), with an empty cache.
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.child = Self::spawn(self.addr, self.slots, &self.extra);
+        self.ready().await;
+    }
+
+    fn spawn(addr: SocketAddr, slots: usize, extra: &[String]) -> Child {
         let server = env_path("GUARD_LLAMA_SERVER");
         let model = env_path("GUARD_LLAMA_MODEL");
-        let addr = free_addr();
-        let child = Command::new(server)
+        Command::new(server)
             .arg("-m")
             .arg(model)
             .args(["--host", "127.0.0.1", "--port", &addr.port().to_string()])
@@ -69,14 +92,16 @@ impl LlamaServer {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .expect("start llama-server");
-        let server = Self { addr, child };
+            .expect("start llama-server")
+    }
+
+    async fn ready(&self) {
         let started = Instant::now();
         loop {
-            if let Ok(response) = http::get(addr, "/health").await
+            if let Ok(response) = http::get(self.addr, "/health").await
                 && response.status == 200
             {
-                return server;
+                return;
             }
             assert!(started.elapsed() < READY_BOUND, "llama-server not ready");
             tokio::time::sleep(Duration::from_millis(50)).await;

@@ -18,14 +18,20 @@ use crate::http::{post, post_streamed};
 /// How the flood and the chats are shaped.
 #[derive(Clone, Copy, Debug)]
 pub struct Shape {
-    /// Batch clients sending back to back.
+    /// Batch clients sending back to back: even ones `/completion` extractions of
+    /// `batch_tokens`, odd ones (where `unbounded`) streamed chats with no token limit.
     pub batch_clients: usize,
-    /// Tokens per batch request.
+    /// Tokens per bounded batch request.
     pub batch_tokens: u32,
+    /// Odd batch clients ask for stories with no token limit (they end at their own stop).
+    pub unbounded: bool,
     /// Interactive chats, one after another.
     pub chats: usize,
     /// Tokens per chat.
     pub chat_tokens: u32,
+    /// From one chat's start to the next's (at least its own length); with no chats, the
+    /// window over which the batch alone is measured.
+    pub chat_every: Duration,
 }
 
 impl Default for Shape {
@@ -33,8 +39,10 @@ impl Default for Shape {
         Self {
             batch_clients: 6,
             batch_tokens: 160,
+            unbounded: false,
             chats: 10,
             chat_tokens: 16,
+            chat_every: Duration::ZERO,
         }
     }
 }
@@ -46,12 +54,30 @@ pub struct Outcome {
     pub ttft: Vec<Duration>,
     /// Chats answered 503 (guard said no at once).
     pub chats_rejected: usize,
-    /// Batch requests completed while the chats ran.
-    pub batch_completed: usize,
+    /// Batch tokens generated a second while the chats ran: llama-server's own count of
+    /// generated tokens over the chats' window, less the chats' own.
+    pub batch_tokens_per_second: f64,
 }
 
-/// Runs the chats against `target`, with the batch flood running alongside when `flood`.
-pub async fn run(target: SocketAddr, shape: Shape, flood: bool) -> Outcome {
+/// One batch client's request: a bounded extraction, or (odd clients, where the shape says)
+/// a streamed story with no token limit.
+fn batch_request(shape: Shape, client: usize) -> (&'static str, serde_json::Value) {
+    match shape.unbounded && client % 2 == 1 {
+        true => (
+            "/v1/chat/completions",
+            json!({ "messages": [{ "role": "user", "content": "Tell me a short story about a cat." }],
+                    "stream": true }),
+        ),
+        false => (
+            "/completion",
+            json!({ "prompt": "Extract every name from this text: ...", "n_predict": shape.batch_tokens, "ignore_eos": true }),
+        ),
+    }
+}
+
+/// Runs the chats against `target` (llama-server at `llama`, or guard in front of it), with
+/// the batch flood running alongside when `flood`.
+pub async fn run(target: SocketAddr, llama: SocketAddr, shape: Shape, flood: bool) -> Outcome {
     let stop = Arc::new(AtomicBool::new(false));
     let completed = Arc::new(AtomicUsize::new(0));
     let started = Arc::new(Barrier::new(if flood {
@@ -62,17 +88,17 @@ pub async fn run(target: SocketAddr, shape: Shape, flood: bool) -> Outcome {
     // A set, so that the flood ends with this run even when the run itself is dropped midway.
     let mut workers = JoinSet::new();
     if flood {
-        for _ in 0..shape.batch_clients {
+        for client in 0..shape.batch_clients {
             let (stop, completed, started) = (
                 Arc::clone(&stop),
                 Arc::clone(&completed),
                 Arc::clone(&started),
             );
             workers.spawn(async move {
-                let body = json!({ "prompt": "Extract every name from this text: ...", "n_predict": shape.batch_tokens, "ignore_eos": true });
+                let (path, body) = batch_request(shape, client);
                 let mut first = true;
                 while !stop.load(Ordering::Relaxed) {
-                    let request = post(target, "/completion", &[("x-guard-class", "batch")], &body);
+                    let request = post(target, path, &[("x-guard-class", "batch")], &body);
                     if first {
                         first = false;
                         // The first request is on its way: the flood is under way.
@@ -93,8 +119,10 @@ pub async fn run(target: SocketAddr, shape: Shape, flood: bool) -> Outcome {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     let mut outcome = Outcome::default();
-    let completed_before = completed.load(Ordering::Relaxed);
-    for _ in 0..shape.chats {
+    let generated_before = generated(llama).await;
+    let window = Instant::now();
+    let mut chat_tokens = 0;
+    for n in 0..shape.chats {
         let body = json!({
             "messages": [{ "role": "user", "content": "Say hello in five words." }],
             "max_tokens": shape.chat_tokens,
@@ -104,20 +132,37 @@ pub async fn run(target: SocketAddr, shape: Shape, flood: bool) -> Outcome {
         let streamed = post_streamed(target, "/v1/chat/completions", &[], &body).await;
         if streamed.status == 503 {
             outcome.chats_rejected += 1;
-            continue;
+        } else {
+            let with_text = |data: &bytes::Bytes| {
+                let text = String::from_utf8_lossy(data);
+                text.contains("\"content\":\"") && !text.contains("\"content\":\"\"")
+            };
+            if let Some((at, _)) = streamed.frames.iter().find(|(_, data)| with_text(data)) {
+                outcome.ttft.push(at.duration_since(sent));
+            }
+            chat_tokens += streamed.frames.iter().filter(|(_, d)| with_text(d)).count() as u64;
         }
-        let first_token = streamed.frames.iter().find(|(_, data)| {
-            let text = String::from_utf8_lossy(data);
-            text.contains("\"content\":\"") && !text.contains("\"content\":\"\"")
-        });
-        if let Some((at, _)) = first_token {
-            outcome.ttft.push(at.duration_since(sent));
-        }
+        // The next chat comes at its time (the chats arrive as a person's would).
+        tokio::time::sleep_until((window + shape.chat_every * (n as u32 + 1)).into()).await;
     }
-    outcome.batch_completed = completed.load(Ordering::Relaxed) - completed_before;
+    if shape.chats == 0 {
+        // Batch alone: the window is one chat period with no chat in it.
+        tokio::time::sleep_until((window + shape.chat_every).into()).await;
+    }
+    let took = window.elapsed();
+    let batch = (generated(llama).await - generated_before).saturating_sub(chat_tokens);
+    outcome.batch_tokens_per_second = batch as f64 / took.as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     workers.abort_all();
     outcome
+}
+
+/// llama-server's own count of the tokens it has generated (of requests that ended).
+async fn generated(llama: SocketAddr) -> u64 {
+    let Ok(response) = crate::http::get(llama, "/metrics").await else {
+        return 0;
+    };
+    crate::metric(&response.text(), "llamacpp:tokens_predicted_total").unwrap_or(0.0) as u64
 }
 
 fn count(completed: &AtomicUsize, response: &crate::http::Response) {

@@ -198,6 +198,9 @@ pub struct RiskConfig {
     pub min_release_ms: u64,
     /// A preemptible request the estimator expects to end within this is left to finish.
     pub preempt_grace_ms: u64,
+    /// A preempted request that waited `max_throttle_ms` runs at least this long before it may
+    /// be stopped again.
+    pub min_run_ms: u64,
     /// Where guard records cgroup values before it changes them, to restore after a crash.
     pub state_dir: PathBuf,
 }
@@ -215,6 +218,7 @@ impl Default for RiskConfig {
             max_throttle_ms: 60_000,
             min_release_ms: 5_000,
             preempt_grace_ms: 100,
+            min_run_ms: 1_000,
             state_dir: PathBuf::from("/var/lib/guard"),
         }
     }
@@ -429,6 +433,8 @@ pub enum Preemptible {
     Yes,
     /// Only where it can be continued from where it stopped.
     ResumeOnly,
+    /// Only where it can be continued from the exact tokens it stopped at (llama-server).
+    ExactOnly,
 }
 
 impl<'de> Deserialize<'de> for Preemptible {
@@ -443,8 +449,9 @@ impl<'de> Deserialize<'de> for Preemptible {
             Raw::Flag(false) => Ok(Self::No),
             Raw::Flag(true) => Ok(Self::Yes),
             Raw::Word(word) if word == "resume-only" => Ok(Self::ResumeOnly),
+            Raw::Word(word) if word == "exact-only" => Ok(Self::ExactOnly),
             Raw::Word(word) => Err(serde::de::Error::custom(format!(
-                "`{}`: use true, false or \"resume-only\"",
+                "`{}`: use true, false, \"resume-only\" or \"exact-only\"",
                 crate::quote::quote(&word)
             ))),
         }
@@ -457,6 +464,7 @@ impl Serialize for Preemptible {
             Self::No => serializer.serialize_bool(false),
             Self::Yes => serializer.serialize_bool(true),
             Self::ResumeOnly => serializer.serialize_str("resume-only"),
+            Self::ExactOnly => serializer.serialize_str("exact-only"),
         }
     }
 }

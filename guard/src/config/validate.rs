@@ -220,6 +220,7 @@ impl Config {
                 0,
                 MAX_MS,
             ),
+            Range::new("risk.min_run_ms", self.risk.min_run_ms, 0, MAX_MS),
             Range::new(
                 "risk.ttft_min_samples",
                 self.risk.ttft_min_samples as u64,

@@ -74,6 +74,12 @@ pub enum ProxyError {
     },
     #[error("the upstream refused to continue a preempted answer ({0})")]
     Continuation(http::StatusCode),
+    #[error("a preempted answer could not go on exactly")]
+    Diverged(#[source] crate::upstream::exact::Diverged),
+    #[error("the upstream stopped the answer with an error: {0}")]
+    UpstreamSaid(String),
+    #[error("the upstream's answer ended before its end marker")]
+    Truncated,
     #[error("guard let go of this request (an internal error)")]
     Internal,
 }
@@ -108,7 +114,10 @@ impl ProxyError {
             Self::Upstream(_)
             | Self::Exchange(_)
             | Self::UpstreamReset(_)
-            | Self::Continuation(_) => StatusCode::BAD_GATEWAY,
+            | Self::Continuation(_)
+            | Self::Diverged(_)
+            | Self::UpstreamSaid(_)
+            | Self::Truncated => StatusCode::BAD_GATEWAY,
             Self::BodyReadTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             Self::TimedOut { .. } => StatusCode::GATEWAY_TIMEOUT,
             Self::Internal => StatusCode::INTERNAL_SERVER_ERROR,
@@ -141,7 +150,9 @@ impl ProxyError {
             }
             Self::Upstream(_) | Self::Exchange(_) => "upstream_unreachable",
             Self::UpstreamReset(_) => "upstream_reset",
-            Self::Continuation(_) => "upstream_error",
+            Self::Continuation(_) | Self::Diverged(_) | Self::UpstreamSaid(_) | Self::Truncated => {
+                "upstream_error"
+            }
             Self::BodyReadTimeout { .. } => "body_read_timeout",
             Self::TimedOut { which, .. } => which.as_str(),
             Self::Internal => "internal",

@@ -9,6 +9,7 @@ pub mod outcome;
 mod park;
 mod passthrough;
 mod request;
+pub mod resumes;
 mod serve;
 mod throughput;
 mod workers;
@@ -98,6 +99,7 @@ pub struct Proxy {
     ttft: Arc<crate::throttle::ttft::TtftWindow>,
     tally: Arc<Tally>,
     throughput: Arc<Throughput>,
+    resume_kinds: Arc<resumes::ResumeKinds>,
     /// Hashes flow keys (`fair_by`) with a key of this process's own.
     flow_keys: std::hash::RandomState,
 }
@@ -115,6 +117,8 @@ pub struct Parts {
     pub tally: Arc<Tally>,
     /// Where finished jobs are counted for the last hour.
     pub throughput: Arc<Throughput>,
+    /// Where each class's way of going on after a preemption is kept.
+    pub resume_kinds: Arc<resumes::ResumeKinds>,
 }
 
 impl Proxy {
@@ -161,6 +165,7 @@ impl Proxy {
             ttft: parts.ttft,
             tally: parts.tally,
             throughput: parts.throughput,
+            resume_kinds: parts.resume_kinds,
             flow_keys: std::hash::RandomState::new(),
             metrics: parts.metrics,
         })

@@ -163,6 +163,20 @@ pub fn init_class(metrics: &Metrics, class: &str) {
     metrics
         .preempt_regenerated_tokens_total
         .with_label_values(&[class]);
+    metrics
+        .preempt_reread_tokens_total
+        .with_label_values(&[class]);
+    metrics.preempt_pad_tokens_total.with_label_values(&[class]);
+    for kind in ["exact", "text", "restart"] {
+        metrics
+            .preempt_resumes_total
+            .with_label_values(&[class, kind]);
+    }
+    for source in ["computed", "cached"] {
+        metrics
+            .prompt_tokens_total
+            .with_label_values(&[class, source]);
+    }
     for outcome in OUTCOMES {
         metrics.requests_total.with_label_values(&[class, outcome]);
     }

@@ -139,18 +139,52 @@ struct Running {
     preemptible: bool,
     /// Asked to stop for a more urgent request; its slot is on the way back.
     preempting: bool,
+    /// It went on after its longest pause: not stopped again before this instant.
+    protected_until: Option<Instant>,
 }
 
 impl Running {
     /// Time until it ends: from its own pace where it streams and said how many tokens it
-    /// wants, else from the estimate it was dispatched with.
+    /// wants, else from the estimate it was dispatched with. One that has run past its
+    /// estimate is not about to end: it counts as another estimate long.
     fn remaining(&self, now: Instant) -> Duration {
-        if let (Some(asked), Some((done, per_token))) = (self.tokens, self.progress.pace()) {
-            let left = asked.saturating_sub(done) as f64;
-            return estimator::clamp_secs(per_token.as_secs_f64() * left);
+        if let Some(left) = self.paced_remaining() {
+            return left;
         }
-        self.expected
-            .saturating_sub(now.saturating_duration_since(self.started))
+        let ran = now.saturating_duration_since(self.started);
+        match self.expected.checked_sub(ran) {
+            Some(left) if !left.is_zero() => left,
+            _ => self.expected,
+        }
+    }
+
+    /// Time until it ends, from its own pace, where it said how many tokens it wants.
+    fn paced_remaining(&self) -> Option<Duration> {
+        let (asked, (done, per_token)) = (self.tokens?, self.progress.pace()?);
+        let left = asked.saturating_sub(done) as f64;
+        Some(estimator::clamp_secs(per_token.as_secs_f64() * left))
+    }
+
+    /// When it may be stopped for a request of priority `urgent`: now (zero), after a while
+    /// (in its bounded run after a longest pause, or known to end within `grace`), or never
+    /// (not preemptible, or as urgent). Only positive evidence counts as "about to end": its
+    /// pace, or an estimate it has not yet run past; one past its estimate is long, whatever
+    /// the estimate said.
+    fn stoppable(&self, urgent: i32, grace: Duration, now: Instant) -> Option<Duration> {
+        if !self.preemptible || self.priority <= urgent {
+            return None;
+        }
+        if let Some(until) = self.protected_until.filter(|until| *until > now) {
+            return Some(until - now);
+        }
+        let ends_within = match self.paced_remaining() {
+            Some(left) => (left <= grace).then_some(grace),
+            None => self
+                .expected
+                .checked_sub(now.saturating_duration_since(self.started))
+                .filter(|left| !left.is_zero() && *left <= grace),
+        };
+        Some(ends_within.unwrap_or(Duration::ZERO))
     }
 }
 
@@ -165,8 +199,11 @@ struct State {
     /// A preemptible request expected to end within this is left to finish.
     preempt_grace: Duration,
     /// A preempted request waits at most this long before it goes on, urgent work or not
-    /// (`risk.max_throttle_ms`); once it has, it runs to its end.
+    /// (`risk.max_throttle_ms`); once it has, it runs `min_run` before it may be stopped again.
     max_pause: Duration,
+    min_run: Duration,
+    /// When a timer will look again for a request to stop, where one is set.
+    recheck: Option<Instant>,
     shutting_down: bool,
 }
 
@@ -174,6 +211,8 @@ struct State {
 pub struct Scheduler {
     state: Mutex<State>,
     metrics: Metrics,
+    /// Itself, for the timer that ends a bounded run.
+    me: std::sync::Weak<Scheduler>,
 }
 
 /// A class as /status shows it.
@@ -205,11 +244,14 @@ impl Scheduler {
             hold_above: None,
             preempt_grace: Duration::ZERO,
             max_pause: Duration::MAX,
+            min_run: Duration::ZERO,
+            recheck: None,
             shutting_down: false,
         };
-        let scheduler = Arc::new(Self {
+        let scheduler = Arc::new_cyclic(|me| Self {
             state: Mutex::new(state),
             metrics,
+            me: me.clone(),
         });
         scheduler.reconfigure(config);
         scheduler
@@ -228,6 +270,7 @@ impl Scheduler {
         state.capacity = config.upstream.max_concurrency as usize;
         state.preempt_grace = Duration::from_millis(config.risk.preempt_grace_ms);
         state.max_pause = Duration::from_millis(config.risk.max_throttle_ms);
+        state.min_run = Duration::from_millis(config.risk.min_run_ms);
         state
             .estimator
             .set_prior(Duration::from_millis(config.estimate.initial_service_ms));
@@ -360,6 +403,9 @@ impl Scheduler {
                 if let Some(class) = state.classes.get_mut(&name) {
                     class.running += 1;
                 }
+                // One that waited its longest pause runs a while before it may stop again.
+                let overdue = waiter.paused.is_some_and(|at| now - at >= state.max_pause);
+                let protected_until = overdue.then(|| now + state.min_run);
                 state.running.insert(
                     waiter.id,
                     Running {
@@ -368,16 +414,40 @@ impl Scheduler {
                         tokens: waiter.tokens,
                         progress,
                         priority,
-                        // One that waited its longest pause runs a while before the next.
-                        preemptible: waiter.preemptible
-                            && waiter.paused.is_none_or(|at| now - at < state.max_pause),
+                        preemptible: waiter.preemptible,
                         preempting: false,
+                        protected_until,
                     },
                 );
             }
             self.publish(state, &name);
         }
-        state.preempt_for_waiters();
+        self.preempt(state);
+    }
+
+    /// Asks a running request to stop where a more urgent one waits; where none may stop yet
+    /// but one will (its bounded run ends, it runs past its estimate), looks again then.
+    fn preempt(&self, state: &mut State) {
+        let Some(after) = state.preempt_for_waiters() else {
+            return;
+        };
+        let at = Instant::now() + after;
+        let (Some(me), Ok(runtime)) = (self.me.upgrade(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        if state.recheck.is_some_and(|pending| pending <= at) {
+            return;
+        }
+        state.recheck = Some(at);
+        runtime.spawn(async move {
+            tokio::time::sleep_until(at).await;
+            let mut state = me.lock();
+            if state.recheck == Some(at) {
+                state.recheck = None;
+            }
+            me.preempt(&mut state);
+        });
     }
 
     /// Stops a running preemptible request and puts it back, first in its class's line, to
@@ -659,32 +729,44 @@ impl State {
     }
 
     /// Where every slot is taken and a more urgent request waits: asks the running preemptible
-    /// request with the least work to lose (fewest tokens so far) to stop, unless it is about to
-    /// end anyway. One at a time: the next is chosen when that slot has come back.
-    fn preempt_for_waiters(&mut self) {
+    /// request with the least work to lose (fewest tokens so far) to stop. One at a time: the
+    /// next is chosen when that slot has come back. Where none may stop yet but one will,
+    /// returns how soon.
+    fn preempt_for_waiters(&mut self) -> Option<Duration> {
         if self.running.len() < self.capacity || self.running.values().any(|r| r.preempting) {
-            return;
+            return None;
         }
-        let Some(urgent) = self
+        let urgent = self
             .classes
             .values()
             .filter(|class| !class.queue.is_empty() && !self.is_held(class))
             .map(|class| class.limits.priority)
-            .min()
-        else {
-            return;
-        };
+            .min()?;
         let now = Instant::now();
         let grace = self.preempt_grace;
-        let victim = self
-            .running
-            .values_mut()
-            .filter(|r| r.preemptible && r.priority > urgent && r.remaining(now) > grace)
-            .min_by_key(|r| r.progress.tokens());
-        if let Some(victim) = victim {
-            victim.preempting = true;
-            victim.progress.preempt();
+        let mut soonest: Option<Duration> = None;
+        let mut victim: Option<&mut Running> = None;
+        for running in self.running.values_mut() {
+            match running.stoppable(urgent, grace, now) {
+                Some(after) if !after.is_zero() => {
+                    soonest = Some(soonest.map_or(after, |s| s.min(after)));
+                }
+                Some(_)
+                    if victim
+                        .as_ref()
+                        .is_none_or(|v| running.progress.tokens() < v.progress.tokens()) =>
+                {
+                    victim = Some(running);
+                }
+                _ => {}
+            }
         }
+        let Some(victim) = victim else {
+            return soonest;
+        };
+        victim.preempting = true;
+        victim.progress.preempt();
+        None
     }
 
     /// Drops classes a reload removed once nothing of theirs waits or runs.

@@ -139,6 +139,65 @@ async fn a_request_about_to_end_is_not_preempted() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_past_its_estimate_counts_as_long_and_is_preempted() {
+    let mut config = config(1);
+    config.risk.preempt_grace_ms = 2_000;
+    let scheduler = Scheduler::new(&config, Metrics::new());
+    let preemptible = Job {
+        preemptible: true,
+        ..job("batch", None)
+    };
+    // Its estimate (1 s) lies within the grace: left to finish while it keeps to it...
+    let running = granted(scheduler.enqueue(preemptible).expect("admit")).await;
+    let _urgent = scheduler.enqueue(job("interactive", None)).expect("admit");
+    let started = Instant::now();
+    assert!(
+        tokio::time::timeout(SECOND / 2, running.progress().preempted())
+            .await
+            .is_err()
+    );
+    // ...and stopped once it runs past it, without another request arriving to look again.
+    running.progress().preempted().await;
+    let stopped = started.elapsed();
+    assert!(
+        (SECOND..SECOND + SECOND / 10).contains(&stopped),
+        "stopped after {stopped:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_its_longest_pause_a_request_runs_min_run_then_yields_again() {
+    let mut config = config(1);
+    config.risk.max_throttle_ms = 5_000;
+    config.risk.min_run_ms = 1_000;
+    config.risk.preempt_grace_ms = 0;
+    let scheduler = Scheduler::new(&config, Metrics::new());
+    let preemptible = Job {
+        preemptible: true,
+        ..job("batch", None)
+    };
+    let running = granted(scheduler.enqueue(preemptible).expect("admit")).await;
+    let first = scheduler.enqueue(job("interactive", None)).expect("admit");
+    running.progress().preempted().await;
+    let paused = running.requeue(Instant::now());
+    let first = granted(first).await;
+    // Urgent work keeps coming past the longest pause: the paused request goes next all the same.
+    tokio::time::advance(Duration::from_secs(6)).await;
+    let mut second = scheduler.enqueue(job("interactive", None)).expect("admit");
+    drop(first);
+    assert!(!is_granted(&mut second), "the overdue request goes first");
+    let resumed = granted(paused).await;
+    let went_on = Instant::now();
+    // It runs its bounded run, then yields to the urgent request again.
+    resumed.progress().preempted().await;
+    let ran = went_on.elapsed();
+    assert!(
+        (SECOND..SECOND + SECOND / 10).contains(&ran),
+        "ran {ran:?} before yielding again"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn higher_priority_goes_first_fifo_within_a_class() {
     let scheduler = scheduler(1);
     let running = granted(scheduler.enqueue(job("batch", None)).expect("admit")).await;

@@ -146,6 +146,12 @@ impl Permit {
         &self.progress
     }
 
+    /// The same, held apart from the permit (to watch for a preemption while the permit's
+    /// holder is busy).
+    pub fn progress_shared(&self) -> Arc<Progress> {
+        Arc::clone(&self.progress)
+    }
+
     /// Frees the slot and teaches the estimator how long this completed request took, with
     /// the tokens the server said it generated and its decode rate, where it said.
     pub fn complete(mut self, generated: Option<u64>, decode_per_second: Option<f64>) {

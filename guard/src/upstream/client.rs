@@ -91,6 +91,29 @@ impl Client {
         .map_err(UpstreamError::Unreachable)
     }
 
+    /// Sends one request on a connection of its own, closed after the answer. llama-server
+    /// serves each connection on one of a few HTTP threads for as long as it stays open: kept
+    /// alive in a pool, a burst of these small questions would hold those threads, and the
+    /// requests that run generations would wait for a thread to come free.
+    pub async fn send_once(
+        &self,
+        head: &http::request::Parts,
+        body: Bytes,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        let mut request = Request::new(full(body));
+        *request.method_mut() = head.method.clone();
+        *request.uri_mut() = head.uri.clone();
+        *request.headers_mut() = head.headers.clone();
+        let mut request = self.to_upstream(request)?;
+        request.headers_mut().insert(
+            http::header::CONNECTION,
+            http::HeaderValue::from_static("close"),
+        );
+        self.exchange(request)
+            .await?
+            .map_err(UpstreamError::Unreachable)
+    }
+
     /// `GET path`, its body read whole when the answer is a success.
     pub async fn get(&self, path: &str) -> Option<Bytes> {
         use http_body_util::BodyExt as _;

@@ -5,6 +5,7 @@
 pub mod api;
 pub mod asks;
 mod client;
+pub mod exact;
 pub mod exchange;
 pub mod frames;
 mod headers;

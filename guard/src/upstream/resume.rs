@@ -44,6 +44,20 @@ impl Endpoint {
     }
 }
 
+/// How a class's preempted requests go on, as last seen (`/status`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ResumeKind {
+    /// From the exact token ids (llama-server).
+    Exact,
+    /// From the partial answer's text.
+    Text,
+    /// From scratch (a client that has seen nothing yet).
+    Restart,
+    /// Not stopped (`preemptible = "exact-only"` where an exact resume is not available).
+    Off,
+}
+
 /// How a preempted request goes on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Continuation {
@@ -106,8 +120,18 @@ impl Plan {
         })
     }
 
+    /// Whether llama-server can run it from token ids: not constrained, on an endpoint whose
+    /// answer guard can frame (OpenAI chat and completions, llama-server's `/completion`).
+    pub fn may_run_exactly(&self) -> bool {
+        self.continuation == Continuation::Resume
+            && matches!(
+                self.endpoint,
+                Endpoint::OpenAiChat | Endpoint::OpenAiCompletion | Endpoint::LlamaCompletion
+            )
+    }
+
     /// The client's body as a JSON map (it parsed when the plan was made).
-    fn body(&self) -> Map<String, Value> {
+    pub fn body(&self) -> Map<String, Value> {
         serde_json::from_slice(&self.raw).unwrap_or_default()
     }
 

@@ -12,6 +12,10 @@ use super::frames::StreamFormat;
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Usage {
     pub prompt: Option<u64>,
+    /// Of the prompt: tokens the server read anew, and tokens it reused from its cache, as it
+    /// said (llama-server `timings`, OpenAI `prompt_tokens_details`, Ollama's eval count).
+    pub prompt_computed: Option<u64>,
+    pub prompt_cached: Option<u64>,
     pub generated: Option<u64>,
     /// The steady decode rate the server measured (first token excluded), tokens a second.
     pub decode_per_second: Option<f64>,
@@ -57,12 +61,20 @@ struct Text {
 struct OpenAiUsage {
     prompt_tokens: Option<u64>,
     completion_tokens: Option<u64>,
+    prompt_tokens_details: Option<PromptDetails>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct PromptDetails {
+    cached_tokens: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
 struct Timings {
     prompt_n: Option<u64>,
+    cache_n: Option<u64>,
     predicted_n: Option<u64>,
     predicted_per_second: Option<f64>,
 }
@@ -121,12 +133,22 @@ impl Report {
             (Some(n), Some(ns)) if ns > 0 => Some(n as f64 / (ns as f64 / 1e9)),
             _ => None,
         };
+        let prompt = usage
+            .and_then(|u| u.prompt_tokens)
+            .or(timings.and_then(|t| t.prompt_n))
+            .or(self.tokens_evaluated)
+            .or(self.prompt_eval_count);
+        let cached = timings.and_then(|t| t.cache_n).or(usage
+            .and_then(|u| u.prompt_tokens_details.as_ref())
+            .and_then(|d| d.cached_tokens));
+        let computed = timings
+            .and_then(|t| t.prompt_n)
+            .or(cached.zip(prompt).map(|(c, p)| p.saturating_sub(c)))
+            .or(self.prompt_eval_count);
         Usage {
-            prompt: usage
-                .and_then(|u| u.prompt_tokens)
-                .or(timings.and_then(|t| t.prompt_n))
-                .or(self.tokens_evaluated)
-                .or(self.prompt_eval_count),
+            prompt,
+            prompt_computed: computed,
+            prompt_cached: cached,
             generated: usage
                 .and_then(|u| u.completion_tokens)
                 .or(timings.and_then(|t| t.predicted_n))
@@ -173,12 +195,14 @@ mod tests {
 
     #[test]
     fn each_api_says_its_counts_its_own_way() {
-        let llama = b"data: {\"choices\":[{\"finish_reason\":\"stop\",\"delta\":{}}],\"timings\":{\"prompt_n\":9,\"predicted_n\":12,\"predicted_per_second\":80.5}}\n\ndata: [DONE]\n\n";
+        let llama = b"data: {\"choices\":[{\"finish_reason\":\"stop\",\"delta\":{}}],\"usage\":{\"prompt_tokens\":30,\"completion_tokens\":12,\"prompt_tokens_details\":{\"cached_tokens\":21}},\"timings\":{\"cache_n\":21,\"prompt_n\":9,\"predicted_n\":12,\"predicted_per_second\":80.5}}\n\ndata: [DONE]\n\n";
         let usage = read(StreamFormat::Sse, llama);
         assert_eq!(
             usage,
             Usage {
-                prompt: Some(9),
+                prompt: Some(30),
+                prompt_computed: Some(9),
+                prompt_cached: Some(21),
                 generated: Some(12),
                 decode_per_second: Some(80.5),
                 ended: true,
@@ -203,8 +227,18 @@ mod tests {
                 Some(std::time::Duration::from_millis(1500))
             )
         );
-        let whole = br#"{"choices":[{"message":{"content":"x"},"finish_reason":"length"}],"usage":{"prompt_tokens":3,"completion_tokens":4}}"#;
-        assert_eq!(read(StreamFormat::Whole, whole).generated, Some(4));
+        assert_eq!(
+            (usage.prompt_computed, usage.prompt_cached),
+            (Some(5), None),
+            "Ollama says what it evaluated, not what it reused"
+        );
+        let whole = br#"{"choices":[{"message":{"content":"x"},"finish_reason":"length"}],"usage":{"prompt_tokens":30,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":26}}}"#;
+        let usage = read(StreamFormat::Whole, whole);
+        assert_eq!(usage.generated, Some(4));
+        assert_eq!(
+            (usage.prompt_computed, usage.prompt_cached),
+            (Some(4), Some(26))
+        );
         assert!(
             !read(StreamFormat::Whole, b"{\"choi").ended,
             "a cut document"

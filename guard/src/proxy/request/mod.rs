@@ -254,6 +254,18 @@ impl QueuedRequest {
                     .inc_by(count);
             }
         }
+        let read = [
+            ("computed", usage.prompt_computed),
+            ("cached", usage.prompt_cached),
+        ];
+        for (source, count) in read {
+            if let Some(count) = count {
+                metrics
+                    .prompt_tokens_total
+                    .with_label_values(&[class, source])
+                    .inc_by(count);
+            }
+        }
         let measured = per_token
             .filter(|t| !t.is_zero())
             .map(|t| 1.0 / t.as_secs_f64());

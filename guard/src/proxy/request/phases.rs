@@ -8,10 +8,13 @@ use bytes::Bytes;
 use http::{Request, request};
 use http_body_util::BodyExt as _;
 
-use super::{Ending, QueuedRequest, preempt::Tracked};
+use super::{
+    Ending, QueuedRequest,
+    preempt::{Engine, ExactRun, Tracked},
+};
 use crate::{
     classify::RequestFacts,
-    config::{FairBy, Preemptible},
+    config::{Api, FairBy, Preemptible},
     proxy::Proxy,
     proxy::park::Inbound,
     proxy::{
@@ -27,8 +30,9 @@ use crate::{
     },
     upstream::{
         asks::Asks,
+        exact::{Exact, Framer},
         exchange::Exchange,
-        resume::{Endpoint, Plan},
+        resume::{Continuation, Endpoint, Plan, ResumeKind, Transcript},
     },
 };
 
@@ -120,7 +124,10 @@ impl QueuedRequest {
         self.endpoint = crate::route::normalize(head.uri.path())
             .ok()
             .and_then(|path| Endpoint::of(&path));
-        let tracked = self.plan(&head, &bytes, &class).map(Tracked::new);
+        let tracked = match self.plan(&head, &bytes, &class) {
+            Some((plan, exact_only)) => self.track(plan, exact_only, &head).await,
+            None => None,
+        };
         let flow = self.flow_key(&head, &class);
         let ticket = self.admit(Job {
             class,
@@ -136,12 +143,11 @@ impl QueuedRequest {
         self.wait(ticket).await?;
         // Boxed: a request waiting in the queue (there may be thousands) then holds only the
         // state of the phases it has reached, not that of forwarding and relaying.
-        let body = tracked.as_ref().map_or(bytes, |t| t.plan.first_body());
-        let (exchange, response) = Box::pin(self.forward(&head, body)).await?;
-        Ok(match tracked {
-            Some(tracked) => Box::pin(self.relay_tracked(exchange, response, tracked, &head)).await,
-            None => Box::pin(self.relay(exchange, response)).await,
-        })
+        if let Some(tracked) = tracked {
+            return Ok(Box::pin(self.run_tracked(tracked, &head)).await);
+        }
+        let (exchange, response) = Box::pin(self.forward(&head, bytes)).await?;
+        Ok(Box::pin(self.relay(exchange, response)).await)
     }
 
     /// The key of the request's flow in its class (`fair_by`); 0 (the shared flow) where the
@@ -169,15 +175,61 @@ impl QueuedRequest {
         key.map_or(0, |key| self.proxy.flow_keys.hash_one(key).max(1))
     }
 
-    /// How a request of a preemptible class would go on after a preemption, where it can.
-    fn plan(&self, head: &request::Parts, body: &Bytes, class: &str) -> Option<Plan> {
-        let resume_only = match self.settings.preemptible.get(class)? {
+    /// How a request of a preemptible class would go on after a preemption, where it can; and
+    /// whether its class takes only an exact resume.
+    fn plan(&self, head: &request::Parts, body: &Bytes, class: &str) -> Option<(Plan, bool)> {
+        let (resume_only, exact_only) = match self.settings.preemptible.get(class)? {
             Preemptible::No => return None,
-            Preemptible::Yes => false,
-            Preemptible::ResumeOnly => true,
+            Preemptible::Yes => (false, false),
+            Preemptible::ResumeOnly => (true, false),
+            Preemptible::ExactOnly => (true, true),
         };
         let path = crate::route::normalize(head.uri.path()).ok()?;
-        Plan::of(&path, body, resume_only)
+        Some((Plan::of(&path, body, resume_only)?, exact_only))
+    }
+
+    /// How a preemptible request goes on: from the exact token ids on llama-server, where the
+    /// server gives its prompt's ids; else from its text, unless its class takes exact only
+    /// (then it is not preemptible). What each class gets is kept for /status.
+    async fn track(
+        &mut self,
+        plan: Plan,
+        exact_only: bool,
+        head: &request::Parts,
+    ) -> Option<Tracked> {
+        let exact = match self.settings.api == Api::Openai && plan.may_run_exactly() {
+            true => {
+                let body = plan.body();
+                let upstream = &self.proxy.upstream;
+                match Exact::prepare(upstream, &head.headers, plan.endpoint, &body).await {
+                    Ok(exact) => Some((exact, body)),
+                    Err(err) => {
+                        tracing::debug!(error = %crate::upstream::error_chain(&err), "no exact resume: from the text");
+                        None
+                    }
+                }
+            }
+            false => None,
+        };
+        if let Some(class) = &self.class {
+            let kind = match (&exact, exact_only, plan.continuation) {
+                (Some(_), _, _) => ResumeKind::Exact,
+                (None, true, _) => ResumeKind::Off,
+                (None, false, Continuation::Resume) => ResumeKind::Text,
+                (None, false, Continuation::Restart) => ResumeKind::Restart,
+            };
+            self.proxy.resume_kinds.saw(class, kind);
+        }
+        match exact {
+            Some((mut exact, body)) => {
+                let names = std::mem::take(&mut exact.names);
+                let framer = Framer::new(plan.endpoint, names, &body, exact.prompt_tokens());
+                let run = ExactRun::new(exact, framer);
+                Some(Tracked::new(plan, Engine::Exact(Box::new(run))))
+            }
+            None if exact_only => None,
+            None => Some(Tracked::new(plan, Engine::Text(Transcript::default()))),
+        }
     }
 
     /// Reads the whole body within the class's time, `server.body_limit_bytes` and the body

@@ -1,26 +1,32 @@
-//! Relaying a preemptible request: the upstream always streams (guard keeps the text), and
-//! when the scheduler asks, the exchange stops, the slot goes back, and when this request's
-//! turn comes again it goes on where it stopped. A client that streams sees its stream pause
-//! and go on; one that asked for one answer gets it whole at the end, in its API's shape.
+//! Relaying a preemptible request: the upstream always streams (guard keeps what it needs to go
+//! on), and when the scheduler asks, the exchange stops, the slot goes back, and when this
+//! request's turn comes again it goes on where it stopped. On llama-server it goes on from the
+//! exact token ids (`upstream::exact`); elsewhere from the text. A client that streams sees its
+//! stream pause and go on; one that asked for one answer gets it whole at the end, in its API's
+//! shape.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use http::{Response, header, request, response};
 use http_body::Frame;
 use http_body_util::BodyExt as _;
+use serde::Deserialize as _;
+use serde_json::Value;
 use tokio::time::Instant;
 
 use super::{Ending, Interrupt, QueuedRequest, relay::Relay};
 use crate::{
     config::Api,
     proxy::{
-        client_body::ClientBody,
+        client_body::{ClientBody, Offer},
         error::ProxyError,
         outcome::{FailKind, Outcome, Stage, Timeout},
     },
+    queue::Progress,
     upstream::{
         api::{self, llama},
+        exact::{Exact, ExactError, Framer, Ids, Partial},
         exchange::Exchange,
         frames::{Lines, StreamFormat},
         full,
@@ -33,56 +39,290 @@ use crate::{
 /// How long guard waits for llama-server to let go of a stopped generation's slot.
 const SLOT_FREE_BOUND: Duration = Duration::from_millis(500);
 
+/// How a preemptible request goes on after a pause.
+pub(super) enum Engine {
+    /// From the partial answer's text (or from scratch, per the plan).
+    Text(Transcript),
+    /// From the exact token ids, on llama-server.
+    Exact(Box<ExactRun>),
+}
+
+/// An exact run: the request's ids, the answer's ids and text so far, and the client's framing.
+pub(super) struct ExactRun {
+    exact: Exact,
+    ids: Ids,
+    framer: Framer,
+    /// The server's last event (the end's fields for a `/completion` client's whole answer).
+    last: Value,
+    decode_per_second: Option<f64>,
+}
+
+impl ExactRun {
+    pub fn new(exact: Exact, framer: Framer) -> Self {
+        Self {
+            exact,
+            ids: Ids::default(),
+            framer,
+            last: Value::Null,
+            decode_per_second: None,
+        }
+    }
+}
+
+/// What the server read of the prompt, over every segment (its own counts).
+#[derive(Debug, Default)]
+struct PromptRead {
+    computed: u64,
+    cached: u64,
+    /// Read anew by segments that went on after a preemption.
+    reread: u64,
+    known: bool,
+    /// This segment's reading has been counted.
+    counted: bool,
+    /// This segment goes on after a preemption.
+    resumed: bool,
+}
+
+impl PromptRead {
+    /// Counts a segment's reading, once; returns what a continuation read again.
+    fn segment(&mut self, timings: Option<crate::upstream::exact::Timings>) -> u64 {
+        let Some(timings) = timings.filter(|_| !self.counted) else {
+            return 0;
+        };
+        let computed = timings.prompt_n.unwrap_or(0);
+        self.computed += computed;
+        self.cached += timings.cache_n.unwrap_or(0);
+        self.known = true;
+        self.counted = true;
+        self.reread(if self.resumed { computed } else { 0 })
+    }
+
+    /// Tokens read again to go on; returns them.
+    fn reread(&mut self, tokens: u64) -> u64 {
+        self.reread += tokens;
+        tokens
+    }
+
+    fn next_segment(&mut self) {
+        self.counted = false;
+        self.resumed = true;
+    }
+}
+
 /// A preemptible request's plan and what its answer has said so far.
 pub(super) struct Tracked {
     pub plan: Plan,
-    transcript: Transcript,
+    engine: Engine,
     lines: Lines,
     format: StreamFormat,
+    read: PromptRead,
+}
+
+/// Why a stream cannot be relayed further.
+enum Broke {
+    Diverged(crate::upstream::exact::Diverged),
+    UpstreamSaid(String),
 }
 
 impl Tracked {
-    pub fn new(plan: Plan) -> Self {
+    pub fn new(plan: Plan, engine: Engine) -> Self {
         Self {
             plan,
-            transcript: Transcript::default(),
+            engine,
             lines: Lines::default(),
             format: StreamFormat::Whole,
+            read: PromptRead::default(),
         }
     }
 
-    /// Reads a chunk of the stream; returns what goes to a streaming client (an echoed
-    /// prefill taken out) and how many events carried text.
-    fn read(&mut self, chunk: &[u8]) -> (Vec<u8>, u64) {
-        let (endpoint, format) = (self.plan.endpoint, self.format);
-        let transcript = &mut self.transcript;
+    /// How it goes on: "exact", "text" or "restart" (`guard_preempt_resumes_total`).
+    pub fn kind(&self) -> &'static str {
+        match (&self.engine, self.plan.continuation) {
+            (Engine::Exact(_), _) => "exact",
+            (Engine::Text(_), Continuation::Resume) => "text",
+            (Engine::Text(_), Continuation::Restart) => "restart",
+        }
+    }
+
+    /// The first request upstream: its head and body.
+    pub fn first(&self, head: &request::Parts) -> (Option<request::Parts>, Bytes) {
+        match &self.engine {
+            Engine::Exact(run) => (Some(run.exact.head(head)), run.exact.segment(&[])),
+            Engine::Text(_) => (None, self.plan.first_body()),
+        }
+    }
+
+    /// Tokens generated so far (the scheduler's progress is told per token).
+    fn generated(&self) -> u64 {
+        match &self.engine {
+            Engine::Exact(run) => run.ids.generated(),
+            Engine::Text(transcript) => transcript.generated,
+        }
+    }
+
+    /// Reads a chunk of the stream; returns what goes to a streaming client, how many tokens
+    /// it carried, and how many prompt tokens a continuation read again.
+    fn read(&mut self, chunk: &[u8]) -> Result<(Vec<u8>, u64, u64), Broke> {
+        let Self {
+            plan,
+            engine,
+            lines,
+            format,
+            read,
+        } = self;
         let mut out = Vec::with_capacity(chunk.len());
-        let mut texts = 0;
-        self.lines.push(chunk, |line| {
+        let (mut tokens, mut reread) = (0, 0);
+        let mut broke = None;
+        lines.push(chunk, |line| {
+            if broke.is_some() {
+                return;
+            }
             let Some(payload) = format.payload(line) else {
-                out.extend_from_slice(line);
-                out.push(b'\n');
+                if let Engine::Text(_) = engine {
+                    out.extend_from_slice(line);
+                    out.push(b'\n');
+                }
                 return;
             };
-            let event = transcript.read(payload);
-            texts += u64::from(event.as_ref().is_some_and(|e| !e.text.is_empty()));
-            match event.filter(|e| e.echoed) {
-                Some(event) => {
-                    let rewritten = resume::rewrite_text(endpoint, payload, &event.text);
-                    let prefix: &[u8] = if format == StreamFormat::Sse {
-                        b"data: "
-                    } else {
-                        b""
-                    };
-                    out.extend_from_slice(prefix);
-                    out.extend_from_slice(rewritten.as_deref().unwrap_or(payload));
+            let read_one = match engine {
+                Engine::Text(transcript) => Ok((
+                    read_text(transcript, plan.endpoint, *format, line, payload, &mut out),
+                    0,
+                )),
+                Engine::Exact(run) => read_exact(run, read, plan.client_streams, payload, &mut out),
+            };
+            match read_one {
+                Ok((counted, again)) => {
+                    tokens += counted;
+                    reread += again;
                 }
-                None => out.extend_from_slice(line),
+                Err(err) => broke = Some(err),
             }
-            out.push(b'\n');
         });
-        (out, texts)
+        match broke {
+            Some(err) => Err(err),
+            None => Ok((out, tokens, reread)),
+        }
     }
+
+    /// What the answer said of its tokens and end.
+    fn usage(&self) -> Usage {
+        let read = &self.read;
+        let (prompt_computed, prompt_cached) = match read.known {
+            true => (Some(read.computed), Some(read.cached)),
+            false => (None, None),
+        };
+        match &self.engine {
+            Engine::Exact(run) => Usage {
+                prompt: Some(run.exact.prompt_tokens()),
+                prompt_computed,
+                prompt_cached,
+                generated: Some(run.ids.generated()),
+                decode_per_second: run.decode_per_second,
+                ended: run.ids.stop_type.is_some(),
+                load: None,
+            },
+            Engine::Text(transcript) => Usage {
+                prompt: transcript.prompt_tokens,
+                generated: Some(transcript.generated),
+                ended: transcript.ended,
+                ..Usage::default()
+            },
+        }
+    }
+
+    /// The answer's text so far.
+    fn text(&self) -> &str {
+        match &self.engine {
+            Engine::Exact(run) => &run.ids.text,
+            Engine::Text(transcript) => &transcript.text,
+        }
+    }
+
+    /// Whether it may stop here. An exact run stops only once its segment has a token: the
+    /// server finishes reading a prompt it has begun anyway, and a continuation from the
+    /// prompt alone would have it evaluate the prompt's last token again on its own, whose
+    /// result can differ in the last bits from the same token read with the rest (and so
+    /// tip a near tie elsewhere); from a generated token, it evaluates that token on its own,
+    /// as it did when it generated it.
+    fn may_stop(&self) -> bool {
+        match &self.engine {
+            Engine::Exact(run) => run.ids.segment_tokens() > 0,
+            Engine::Text(_) => true,
+        }
+    }
+
+    fn ended(&self) -> bool {
+        match &self.engine {
+            Engine::Exact(run) => run.ids.stop_type.is_some(),
+            Engine::Text(transcript) => transcript.ended,
+        }
+    }
+}
+
+/// One event of a text run: the transcript reads it, and an echoed prefill is taken out.
+fn read_text(
+    transcript: &mut Transcript,
+    endpoint: Endpoint,
+    format: StreamFormat,
+    line: &[u8],
+    payload: &[u8],
+    out: &mut Vec<u8>,
+) -> u64 {
+    let event = transcript.read(payload);
+    let counted = u64::from(event.as_ref().is_some_and(|e| !e.text.is_empty()));
+    match event.filter(|e| e.echoed) {
+        Some(event) => {
+            let rewritten = resume::rewrite_text(endpoint, payload, &event.text);
+            if format == StreamFormat::Sse {
+                out.extend_from_slice(b"data: ");
+            }
+            out.extend_from_slice(rewritten.as_deref().unwrap_or(payload));
+        }
+        None => out.extend_from_slice(line),
+    }
+    out.push(b'\n');
+    counted
+}
+
+/// One event of an exact run: its ids and text are followed, and the client's event framed.
+fn read_exact(
+    run: &mut ExactRun,
+    read: &mut PromptRead,
+    client_streams: bool,
+    payload: &[u8],
+    out: &mut Vec<u8>,
+) -> Result<(u64, u64), Broke> {
+    let Ok(raw) = serde_json::from_slice::<Value>(payload) else {
+        return Ok((0, 0));
+    };
+    let event = Partial::deserialize(&raw).unwrap_or_default();
+    if let Some(error) = &event.error {
+        let message = error
+            .get("message")
+            .and_then(Value::as_str)
+            .unwrap_or("error");
+        return Err(Broke::UpstreamSaid(crate::quote::quote(message)));
+    }
+    if !read.resumed
+        && !read.counted
+        && let Some(timings) = event.timings
+    {
+        // What the client would have been told: the first reading's cache hits.
+        run.framer.cached_tokens = timings.cache_n.unwrap_or(0);
+    }
+    let reread = read.segment(event.timings);
+    if let Some(rate) = event.timings.and_then(|t| t.predicted_per_second) {
+        run.decode_per_second = Some(rate);
+    }
+    let new = run.ids.read(&event).map_err(Broke::Diverged)?;
+    if client_streams {
+        out.extend(run.framer.stream(&raw, &new, &run.ids, event.stop));
+    }
+    if event.stop {
+        run.last = raw;
+    }
+    Ok((event.tokens.len() as u64, reread))
 }
 
 /// What the upstream side did next.
@@ -97,8 +337,54 @@ enum Next {
 }
 
 impl QueuedRequest {
+    /// Sends a preemptible request upstream and relays its answer, pausing and going on as
+    /// the scheduler asks. A text run stops at once, also while the server still reads its
+    /// prompt; an exact run at the server's first token (see `may_stop`).
+    pub(super) async fn run_tracked(
+        &mut self,
+        mut tracked: Tracked,
+        head: &request::Parts,
+    ) -> Ending {
+        let (segment_head, body) = tracked.first(head);
+        let upstream_head = segment_head.as_ref().unwrap_or(head);
+        let started = match &tracked.engine {
+            Engine::Exact(_) => self.forward(upstream_head, body).await.map(Some),
+            Engine::Text(_) => self.forward_preemptible(upstream_head, body).await,
+        };
+        let started = match started {
+            Ok(Some(started)) => Ok(started),
+            Ok(None) => self.pause(&mut tracked, head).await,
+            Err(ending) => Err(ending),
+        };
+        match started {
+            Ok((exchange, answer)) => self.relay_tracked(exchange, answer, tracked, head).await,
+            Err(ending) => ending,
+        }
+    }
+
+    /// Forwards, unless the scheduler asks this request to stop first (the server may still be
+    /// reading its prompt): then None, and the exchange is dropped.
+    async fn forward_preemptible(
+        &mut self,
+        head: &request::Parts,
+        body: Bytes,
+    ) -> Result<Option<(Exchange, response::Parts)>, Ending> {
+        let progress: Option<Arc<Progress>> = self.permit.as_ref().map(|p| p.progress_shared());
+        let preempted = async {
+            match &progress {
+                Some(progress) => progress.preempted().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            () = preempted => Ok(None),
+            started = self.forward(head, body) => started.map(Some),
+        }
+    }
+
     /// Relays a preemptible request's answer, pausing and going on as the scheduler asks.
-    pub(super) async fn relay_tracked(
+    async fn relay_tracked(
         &mut self,
         exchange: Exchange,
         mut answer: response::Parts,
@@ -118,10 +404,22 @@ impl QueuedRequest {
         let watch = self.watch();
         let interrupted = watch.interrupted();
         tokio::pin!(interrupted);
+        // Asked to stop where it may not yet: it stops at the first point it may.
+        let mut stop_due = false;
         loop {
-            let next = self.next_tracked(interrupted.as_mut()).await;
+            let next = self.next_tracked(interrupted.as_mut(), !stop_due).await;
             let ending = match next {
-                Next::Data(data) => self.pass_tracked(&mut tracked, &data).await,
+                Next::Data(data) => match self.pass_tracked(&mut tracked, &data).await {
+                    None if stop_due && tracked.may_stop() => {
+                        stop_due = false;
+                        self.pause_and_go_on(&mut tracked, head).await
+                    }
+                    passed => passed,
+                },
+                Next::Preempted if !tracked.may_stop() => {
+                    stop_due = true;
+                    None
+                }
                 Next::Other => None,
                 Next::End => Some(self.end_tracked(&mut tracked)),
                 Next::Idle => Some(self.timed_out_ending(Timeout::UpstreamIdle)),
@@ -130,16 +428,42 @@ impl QueuedRequest {
                     ProxyError::UpstreamReset(err),
                 )),
                 // A client that leaves once the server has said its last word had its answer.
-                Next::Interrupted(Interrupt::ClientGone) if tracked.transcript.ended => {
+                Next::Interrupted(Interrupt::ClientGone) if tracked.ended() => {
                     Some(Ending::quiet(Outcome::Completed))
                 }
                 Next::Interrupted(interrupt) => Some(self.interrupted(interrupt)),
-                Next::Preempted => self.pause(&mut tracked, head).await.err(),
+                Next::Preempted => self.pause_and_go_on(&mut tracked, head).await,
             };
             if let Some(ending) = ending {
                 return ending;
             }
         }
+    }
+
+    async fn pause_and_go_on(
+        &mut self,
+        tracked: &mut Tracked,
+        head: &request::Parts,
+    ) -> Option<Ending> {
+        match self.pause(tracked, head).await {
+            Ok((exchange, answer)) => self.went_on(exchange, &answer),
+            Err(ending) => Some(ending),
+        }
+    }
+
+    /// Takes a continuation's exchange as the one to relay, where its answer is a stream;
+    /// else the client's answer is cut short, and must not end as if whole.
+    fn went_on(&mut self, exchange: Exchange, answer: &response::Parts) -> Option<Ending> {
+        let streams =
+            StreamFormat::of(answer.headers.get(header::CONTENT_TYPE)) != StreamFormat::Whole;
+        if !answer.status.is_success() || !streams {
+            return Some(Ending::new(
+                Outcome::Failed(FailKind::UpstreamReset),
+                ProxyError::Continuation(answer.status),
+            ));
+        }
+        self.exchange = Some(exchange);
+        None
     }
 
     /// Sends the response head of a stream now: its events follow as they come.
@@ -160,16 +484,23 @@ impl QueuedRequest {
     async fn next_tracked(
         &mut self,
         interrupted: std::pin::Pin<&mut impl Future<Output = Interrupt>>,
+        heed_preemption: bool,
     ) -> Next {
         let idle = self.timeouts.upstream_idle;
         let (Some(exchange), Some(permit)) = (self.exchange.as_mut(), self.permit.as_ref()) else {
             return Next::End;
         };
         let progress = permit.progress();
+        let preempted = async {
+            match heed_preemption {
+                true => progress.preempted().await,
+                false => std::future::pending().await,
+            }
+        };
         tokio::select! {
             biased;
             interrupt = interrupted => Next::Interrupted(interrupt),
-            () = progress.preempted() => Next::Preempted,
+            () = preempted => Next::Preempted,
             frame = tokio::time::timeout(idle, exchange.frame()) => match frame {
                 Err(_) => Next::Idle,
                 Ok(None) => Next::End,
@@ -184,9 +515,15 @@ impl QueuedRequest {
 
     /// Reads one chunk, and passes it on where the client streams.
     async fn pass_tracked(&mut self, tracked: &mut Tracked, data: &[u8]) -> Option<Ending> {
-        let (out, texts) = tracked.read(data);
+        let (out, tokens, reread) = match tracked.read(data) {
+            Ok(read) => read,
+            Err(broke) => return Some(self.broke(tracked, broke)),
+        };
+        if reread > 0 {
+            self.count_reread(reread);
+        }
         if let Some(permit) = &self.permit {
-            permit.progress().advance(texts);
+            permit.progress().advance(tokens);
         }
         if !tracked.plan.client_streams || out.is_empty() {
             return None;
@@ -198,10 +535,8 @@ impl QueuedRequest {
         let stall = self.timeouts.client_stall;
         match relay.feed.try_send(Frame::data(Bytes::from(out))) {
             Ok(()) => None,
-            Err(crate::proxy::client_body::Offer::Gone) => {
-                Some(Ending::quiet(Outcome::Reaped(Stage::Running)))
-            }
-            Err(crate::proxy::client_body::Offer::Full(frame)) => {
+            Err(Offer::Gone) => Some(Ending::quiet(Outcome::Reaped(Stage::Running))),
+            Err(Offer::Full(frame)) => {
                 match tokio::time::timeout(stall, relay.feed.send(frame)).await {
                     Ok(Ok(())) => None,
                     Ok(Err(_)) => Some(Ending::quiet(Outcome::Reaped(Stage::Running))),
@@ -211,32 +546,99 @@ impl QueuedRequest {
         }
     }
 
+    /// When an exact run stops, its state is put where the urgent request will not take it
+    /// (`Exact::pad`); before it goes on, the slot's state goes into the server's prompt cache
+    /// so that the continuation finds its own there (`Exact::flush`). A server that cannot
+    /// take either cannot take the continuation: that request fails as its own.
+    async fn pad(&mut self, tracked: &mut Tracked) {
+        let Engine::Exact(run) = &tracked.engine else {
+            return;
+        };
+        match run.exact.pad(&self.proxy.upstream, run.ids.exact()).await {
+            Ok(read) => {
+                tracked.read.computed += read;
+                let class = self.class.as_deref().unwrap_or_default();
+                let pad = &self.proxy.metrics.preempt_pad_tokens_total;
+                pad.with_label_values(&[class]).inc_by(read);
+            }
+            Err(err) => kept_nothing(&err),
+        }
+    }
+
+    async fn flush(&mut self, tracked: &mut Tracked) {
+        let Engine::Exact(run) = &tracked.engine else {
+            return;
+        };
+        match run.exact.flush(&self.proxy.upstream).await {
+            Ok(read) => {
+                tracked.read.computed += tracked.read.reread(read);
+                self.count_reread(read);
+            }
+            Err(err) => kept_nothing(&err),
+        }
+    }
+
+    fn count_reread(&self, tokens: u64) {
+        let class = self.class.as_deref().unwrap_or_default();
+        self.proxy
+            .metrics
+            .preempt_reread_tokens_total
+            .with_label_values(&[class])
+            .inc_by(tokens);
+    }
+
+    /// The answer cannot go on: the client gets a clean error in its API's shape, never a
+    /// different answer passed off as whole.
+    fn broke(&mut self, tracked: &Tracked, broke: Broke) -> Ending {
+        self.usage = Some(Usage {
+            ended: false,
+            ..tracked.usage()
+        });
+        let error = match broke {
+            Broke::Diverged(diverged) => {
+                tracing::warn!(class = ?self.class, %diverged, "a preempted answer could not go on exactly");
+                ProxyError::Diverged(diverged)
+            }
+            Broke::UpstreamSaid(message) => ProxyError::UpstreamSaid(message),
+        };
+        // Not the upstream's own error answer: a streaming client is told in its stream.
+        Ending::new(Outcome::Failed(FailKind::UpstreamReset), error)
+    }
+
     /// The upstream ended its stream: the whole answer goes to a client that asked for one.
     fn end_tracked(&mut self, tracked: &mut Tracked) -> Ending {
         if !tracked.lines.rest().is_empty() {
-            let (out, _) = tracked.read(b"\n");
-            if let Some(relay) = self.relay.as_ref().filter(|_| tracked.plan.client_streams) {
+            let read = tracked.read(b"\n");
+            if let (Ok((out, _, _)), Some(relay)) = (
+                read,
+                self.relay.as_ref().filter(|_| tracked.plan.client_streams),
+            ) {
                 // The last line had no newline: it goes as it came.
                 let last = out.strip_suffix(b"\n").unwrap_or(&out).to_vec();
                 let _ = relay.feed.try_send(Frame::data(Bytes::from(last)));
             }
         }
-        let transcript = &tracked.transcript;
         if self.expects_json() {
-            self.answer_is_json = Some(resume::is_json(&transcript.text));
+            self.answer_is_json = Some(resume::is_json(tracked.text()));
         }
-        self.usage = Some(Usage {
-            prompt: transcript.prompt_tokens,
-            generated: Some(transcript.generated),
-            decode_per_second: None,
-            ended: transcript.ended,
-            load: None,
-        });
+        self.usage = Some(tracked.usage());
+        if !tracked.ended() {
+            // Cut short: never a whole answer passed off as complete.
+            return Ending::new(
+                Outcome::Failed(FailKind::UpstreamReset),
+                ProxyError::Truncated,
+            );
+        }
         if tracked.plan.client_streams {
             return Ending::quiet(Outcome::Completed);
         }
-        let model = self.model.clone().unwrap_or_default();
-        let body = resume::whole_answer(tracked.plan.endpoint, &model, &tracked.transcript);
+        let body = match &tracked.engine {
+            Engine::Exact(run) => run.framer.whole(&run.last, &run.ids),
+            Engine::Text(transcript) => {
+                let model = self.model.clone().unwrap_or_default();
+                resume::whole_answer(tracked.plan.endpoint, &model, transcript)
+            }
+        };
         let mut response = Response::new(full(body));
         response.headers_mut().insert(
             header::CONTENT_TYPE,
@@ -255,10 +657,15 @@ impl QueuedRequest {
     }
 
     /// Stops for a more urgent request: the exchange ends, the slot goes back once the
-    /// upstream has let go of it, and when this request's turn comes again it goes on.
-    async fn pause(&mut self, tracked: &mut Tracked, head: &request::Parts) -> Result<(), Ending> {
+    /// upstream has let go of it, and when this request's turn comes again it goes on: the
+    /// continuation's exchange and answer head.
+    async fn pause(
+        &mut self,
+        tracked: &mut Tracked,
+        head: &request::Parts,
+    ) -> Result<(Exchange, response::Parts), Ending> {
         self.exchange = None;
-        let proxy = std::sync::Arc::clone(&self.proxy);
+        let proxy = Arc::clone(&self.proxy);
         if self.settings.api == Api::Openai {
             let watch = self.watch();
             tokio::select! {
@@ -267,17 +674,21 @@ impl QueuedRequest {
                 _ = tokio::time::timeout(SLOT_FREE_BOUND, wait_for_free_slot(&proxy.upstream)) => {}
             }
         }
+        self.pad(tracked).await;
         let paused = Instant::now();
         let class = self.class.clone().unwrap_or_default();
-        let metrics = &self.proxy.metrics;
-        metrics.preempted_total.with_label_values(&[&class]).inc();
+        proxy
+            .metrics
+            .preempted_total
+            .with_label_values(&[&class])
+            .inc();
         let Some(permit) = self.permit.take() else {
             return Err(Ending::new(
                 Outcome::Failed(FailKind::Internal),
                 ProxyError::Internal,
             ));
         };
-        tracing::debug!(class, tokens = tracked.transcript.generated, "preempted");
+        tracing::debug!(class, tokens = tracked.generated(), "preempted");
         self.stage = Stage::Queued;
         let ticket = permit.requeue(self.arrived);
         let watch = self.watch();
@@ -300,48 +711,71 @@ impl QueuedRequest {
             )
         })?;
         self.permit = Some(permit);
-        metrics
+        proxy
+            .metrics
             .preempt_pause_seconds
             .with_label_values(&[&class])
             .observe(paused.elapsed().as_secs_f64());
-        self.go_on(tracked, head).await
+        Box::pin(self.go_on(tracked, head)).await
     }
 
-    /// Sends the continuation and takes its stream as the one to relay.
-    async fn go_on(&mut self, tracked: &mut Tracked, head: &request::Parts) -> Result<(), Ending> {
-        let transcript = &mut tracked.transcript;
-        match tracked.plan.continuation {
-            Continuation::Restart => {
-                self.proxy
-                    .metrics
-                    .preempt_regenerated_tokens_total
-                    .with_label_values(&[self.class.as_deref().unwrap_or_default()])
-                    .inc_by(transcript.generated);
-                *transcript = Transcript::default();
-            }
-            Continuation::Resume => {
-                // llama-server repeats an assistant prefill at the start of its answer.
-                let echoes = tracked.plan.endpoint == Endpoint::OpenAiChat
-                    && self.settings.api == Api::Openai;
-                transcript.continue_after(echoes);
-            }
-        }
+    /// Sends the continuation. Preempted again before its answer begins, it pauses again.
+    async fn go_on(
+        &mut self,
+        tracked: &mut Tracked,
+        head: &request::Parts,
+    ) -> Result<(Exchange, response::Parts), Ending> {
+        let class = self.class.clone().unwrap_or_default();
+        let metrics = &self.proxy.metrics;
+        metrics
+            .preempt_resumes_total
+            .with_label_values(&[&class, tracked.kind()])
+            .inc();
         tracked.lines = Lines::default();
-        let body = tracked
-            .plan
-            .continued_body(&transcript.text, transcript.generated);
-        let (exchange, answer) = self.forward(head, body).await?;
-        if !answer.status.is_success() {
-            // Not an upstream answer relayed as it is: the client's answer is cut short, so
-            // it must not end as if whole.
-            return Err(Ending::new(
-                Outcome::Failed(FailKind::UpstreamReset),
-                ProxyError::Continuation(answer.status),
-            ));
+        tracked.read.next_segment();
+        let regenerated = metrics
+            .preempt_regenerated_tokens_total
+            .with_label_values(&[&class]);
+        self.flush(tracked).await;
+        let (segment_head, body) = match &mut tracked.engine {
+            Engine::Exact(run) => {
+                let before = run.ids.regenerated;
+                let generated = run.ids.resume();
+                let body = run.exact.segment(generated);
+                regenerated.inc_by(run.ids.regenerated - before);
+                (Some(run.exact.head(head)), body)
+            }
+            Engine::Text(transcript) => {
+                if tracked.plan.continuation == Continuation::Restart {
+                    regenerated.inc_by(transcript.generated);
+                    *transcript = Transcript::default();
+                } else {
+                    // llama-server repeats an assistant prefill at the start of its answer.
+                    let echoes = tracked.plan.endpoint == Endpoint::OpenAiChat
+                        && self.settings.api == Api::Openai;
+                    transcript.continue_after(echoes);
+                }
+                let body = tracked
+                    .plan
+                    .continued_body(&transcript.text, transcript.generated);
+                (None, body)
+            }
+        };
+        let upstream_head = segment_head.as_ref().unwrap_or(head);
+        let started = match &tracked.engine {
+            Engine::Exact(_) => Some(self.forward(upstream_head, body).await?),
+            Engine::Text(_) => self.forward_preemptible(upstream_head, body).await?,
+        };
+        match started {
+            Some(started) => Ok(started),
+            None => Box::pin(self.pause(tracked, head)).await,
         }
-        self.exchange = Some(exchange);
-        Ok(())
     }
+}
+
+fn kept_nothing(err: &ExactError) {
+    let error = crate::upstream::error_chain(err);
+    tracing::debug!(%error, "keeping a preempted state failed");
 }
 
 /// llama-server notices a closed stream at its next token; a request dispatched before it has

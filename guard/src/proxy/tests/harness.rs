@@ -376,6 +376,7 @@ impl Harness {
             ttft: Arc::default(),
             tally: Arc::new(crate::classify::Tally::new(&metrics)),
             throughput: Arc::default(),
+            resume_kinds: Arc::default(),
         };
         let proxy = Proxy::with_dial(&config, parts, Dial::Memory(connect)).expect("a proxy");
         Self {
