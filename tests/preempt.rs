@@ -25,9 +25,18 @@ const PROMPTS: [&str; 6] = [
     "Explain photosynthesis to a child, at length.",
 ];
 
+/// What a batch job reads before its task, as extraction jobs do: long enough that a chat,
+/// which shares only the template's system prompt with it, never takes its cached state (a
+/// shorter job is protected too, at the cost of filler the server reads at each preemption:
+/// see `Exact::pad`).
+const PASSAGE: &str = "Passage: the harbour town kept its lighthouse lit through every winter. \
+                       The keeper wrote the weather, the ships and the tides in a ledger each \
+                       night, and the ledgers filled a shelf in the tower. Fishermen, traders \
+                       and a travelling doctor passed through the town each year.\n\nTask: ";
+
 fn batch_body(prompt: &str, stream: bool) -> serde_json::Value {
     json!({
-        "messages": [{ "role": "user", "content": prompt }],
+        "messages": [{ "role": "user", "content": format!("{PASSAGE}{prompt}") }],
         "max_tokens": 160,
         "temperature": 0,
         "stream": stream,
@@ -79,6 +88,19 @@ fn p95(mut samples: Vec<Duration>) -> Duration {
 async fn interactive_preempts_batch_which_goes_on_where_it_stopped() {
     let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
+    // The batch jobs' prompts have been read before, as a pipeline's shared passage is: a chat
+    // arriving as a job starts waits for the server to read what it has not (it cannot stop
+    // within a prompt batch), not the whole passage.
+    for prompt in PROMPTS {
+        let mut body = batch_body(prompt, false);
+        body["max_tokens"] = json!(1);
+        assert_eq!(
+            post(llama.addr, "/v1/chat/completions", &[], &body)
+                .await
+                .status,
+            200
+        );
+    }
     let guard = GuardProcess::start(llama.addr, "openai", CONFIG);
     let mut idle = Vec::new();
     for _ in 0..5 {
@@ -630,4 +652,54 @@ async fn a_paused_request_whose_server_dies_fails_cleanly() {
             .await,
         1.0
     );
+}
+
+/// `preemptible = "exact-only"`: a request that can go on from its exact token ids is stopped
+/// for a chat, one that cannot (a grammar constrains it) runs to its end; `/status` says how the
+/// class's requests go on.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_exact_only_class_stops_only_what_goes_on_exactly() {
+    let _serial = serial().await;
+    let llama = LlamaServer::start(1).await;
+    let guard = GuardProcess::start(llama.addr, "openai", EXACT);
+    let status = || async {
+        let status = guard_tests::http::get(guard.metrics, "/status")
+            .await
+            .expect("status")
+            .json();
+        status["preemption"]["batch"].clone()
+    };
+    assert_eq!(
+        status().await,
+        json!({"preemptible": "exact-only", "resume": null})
+    );
+    let batch = [("x-guard-class", "batch")];
+    let chat = json!({
+        "messages": [{ "role": "user", "content": "Say hi." }],
+        "max_tokens": 4,
+        "stream": true,
+    });
+    let constrained = json!({ "prompt": "Letters:", "grammar": "root ::= [a-z ]+",
+                              "n_predict": 60, "ignore_eos": true, "temperature": 0 });
+    let plain = json!({ "prompt": "Letters:", "n_predict": 60, "ignore_eos": true,
+                        "temperature": 0 });
+    for (body, stopped, resume) in [(&constrained, 0.0, "off"), (&plain, 1.0, "exact")] {
+        let job = {
+            let (addr, body) = (guard.listen, body.clone());
+            tokio::spawn(async move { post(addr, "/completion", &batch, &body).await })
+        };
+        guard
+            .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+            .await;
+        decoded(llama.addr, 5).await;
+        assert_eq!(status().await["resume"], resume);
+        let answered = post_streamed(guard.listen, "/v1/chat/completions", &[], &chat).await;
+        assert_eq!(answered.status, 200);
+        assert_eq!(job.await.expect("batch job").status, 200);
+        assert_eq!(
+            guard.metric("guard_preempted_total{class=\"batch\"}").await,
+            stopped,
+            "{resume}"
+        );
+    }
 }

@@ -208,6 +208,23 @@ pub fn render(status: &Status) -> String {
             hour.valid_jobs, hour.invalid_jobs, hour.prompt_tokens, hour.generated_tokens
         ));
     }
+    if !status.preemption.is_empty() {
+        out.push_str(&format!(
+            "\n{:<14} {:>12}  {}\n",
+            "preemptible", "setting", "goes on"
+        ));
+    }
+    for (class, preempt) in &status.preemption {
+        let setting = serde_json::to_string(&preempt.preemptible).unwrap_or_default();
+        let resume = match preempt.resume {
+            Some(kind) => serde_json::to_string(&kind).unwrap_or_default(),
+            None => "(no request yet)".to_owned(),
+        };
+        out.push_str(&format!(
+            "{class:<14} {setting:>12}  {}\n",
+            resume.trim_matches('"')
+        ));
+    }
     out.push_str(&format!("\n{:<14} {}\n", "class", "sent by"));
     for (class, by) in &status.classified {
         let by: Vec<String> = by.iter().map(|(by, n)| format!("{by}: {n}")).collect();

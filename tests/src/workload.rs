@@ -59,14 +59,20 @@ pub struct Outcome {
     pub batch_tokens_per_second: f64,
 }
 
+/// A batch story's prompt: a passage to build on, as batch jobs read one (long enough that a
+/// chat, sharing only the template's system prompt with it, cannot take its cached state).
+const STORY: &str = "Here are the notes of a harbour town's lighthouse keeper: the weather, the \
+                     ships and the tides, written each night in a ledger; fishermen, traders \
+                     and a travelling doctor who passed through each year; a winter storm that \
+                     kept the lamp burning for three days. Tell me a story built on these notes.";
+
 /// One batch client's request: a bounded extraction, or (odd clients, where the shape says)
 /// a streamed story with no token limit.
 fn batch_request(shape: Shape, client: usize) -> (&'static str, serde_json::Value) {
     match shape.unbounded && client % 2 == 1 {
         true => (
             "/v1/chat/completions",
-            json!({ "messages": [{ "role": "user", "content": "Tell me a short story about a cat." }],
-                    "stream": true }),
+            json!({ "messages": [{ "role": "user", "content": STORY }], "stream": true }),
         ),
         false => (
             "/completion",

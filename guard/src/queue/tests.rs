@@ -120,26 +120,7 @@ async fn a_preemptible_request_gives_its_slot_to_a_more_urgent_one_and_goes_on_f
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_request_about_to_end_is_not_preempted() {
-    let mut config = config(1);
-    config.risk.preempt_grace_ms = 2_000;
-    let scheduler = Scheduler::new(&config, Metrics::new());
-    let preemptible = Job {
-        preemptible: true,
-        ..job("batch", None)
-    };
-    // Its estimate (1 s) is within the grace: it is left to finish.
-    let running = granted(scheduler.enqueue(preemptible).expect("admit")).await;
-    let _urgent = scheduler.enqueue(job("interactive", None)).expect("admit");
-    assert!(
-        tokio::time::timeout(SECOND / 2, running.progress().preempted())
-            .await
-            .is_err()
-    );
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_request_past_its_estimate_counts_as_long_and_is_preempted() {
+async fn a_request_about_to_end_is_left_to_finish_until_it_runs_past_its_estimate() {
     let mut config = config(1);
     config.risk.preempt_grace_ms = 2_000;
     let scheduler = Scheduler::new(&config, Metrics::new());

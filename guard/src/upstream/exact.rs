@@ -75,6 +75,24 @@ struct Template {
 #[serde(default)]
 struct Flushed {
     timings: Timings,
+    tokens_predicted: u64,
+}
+
+impl Flushed {
+    fn work(&self) -> SideWork {
+        SideWork {
+            read: self.timings.prompt_n.unwrap_or(0),
+            sampled: self.tokens_predicted,
+        }
+    }
+}
+
+/// What the server did for one of guard's own small requests: tokens it read, and tokens it
+/// sampled (with no budget it still samples one), each in its own counters.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SideWork {
+    pub read: u64,
+    pub sampled: u64,
 }
 
 #[derive(Deserialize)]
@@ -135,18 +153,19 @@ impl Exact {
         })
     }
 
-    /// Before a continuation: has the server put what its slot holds (the urgent request's
-    /// state) into its prompt cache, so that the continuation finds its own state there.
+    /// Before a segment: has the server put what its slot holds (the urgent request's state)
+    /// into its prompt cache, so that the segment finds its own state there (a first segment,
+    /// whatever of its prompt the cache holds).
     /// llama-server looks in that cache only for a slot it takes by least recent use, or one
     /// whose tokens it is about to lose mostly; a slot holding a prompt that shares a prefix
     /// with the continuation (a chat template's system prompt) is kept, the rest of the
     /// continuation read anew: tokens generated one by one then read in a batch, whose
     /// results can differ in their last bits. One token that no prompt here begins with
-    /// makes it save the slot and take it afresh. Returns the tokens it read (one).
-    pub async fn flush(&self, client: &Client) -> Result<u64, ExactError> {
+    /// makes it save the slot and take it afresh. Returns what the server did for it.
+    pub async fn flush(&self, client: &Client) -> Result<SideWork, ExactError> {
         let question = json!({ "prompt": [self.filler()], "n_predict": 0, "cache_prompt": true });
         let answer: Flushed = post(client, &self.auth, COMPLETION_PATH, &question).await?;
-        Ok(answer.timings.prompt_n.unwrap_or(0))
+        Ok(answer.work())
     }
 
     /// When it stops: makes its state in the server's slot one the urgent request cannot take.
@@ -155,14 +174,14 @@ impl Exact {
     /// slot (a chat shares the template's system prompt with every other chat): a short job's
     /// state would be taken and cut down to that prefix. Padded past four times the prefix a
     /// chat shares (and within four times its own tokens, so that its continuation still
-    /// finds it), it is put aside instead. Returns the tokens read (the padding), none where
-    /// no padding is needed.
-    pub async fn pad(&self, client: &Client, generated: &[u32]) -> Result<u64, ExactError> {
+    /// finds it), it is put aside instead. Returns what the server did for it (nothing where
+    /// no padding is needed).
+    pub async fn pad(&self, client: &Client, generated: &[u32]) -> Result<SideWork, ExactError> {
         let shared = self.shared_prefix(client).await?;
         let own = self.prompt.len() + generated.len();
         let wanted = (4 * shared + 1).min(4 * own);
         if wanted <= own {
-            return Ok(0);
+            return Ok(SideWork::default());
         }
         let filler = self.filler();
         let ids: Vec<u32> = self
@@ -174,7 +193,7 @@ impl Exact {
             .collect();
         let question = json!({ "prompt": ids, "n_predict": 0, "cache_prompt": true });
         let answer: Flushed = post(client, &self.auth, COMPLETION_PATH, &question).await?;
-        Ok(answer.timings.prompt_n.unwrap_or(0))
+        Ok(answer.work())
     }
 
     /// The tokens of this prompt that any chat through the server's template begins with

@@ -126,7 +126,14 @@ impl QueuedRequest {
             .and_then(|path| Endpoint::of(&path));
         let tracked = match self.plan(&head, &bytes, &class) {
             Some((plan, exact_only)) => self.track(plan, exact_only, &head).await,
-            None => None,
+            None => {
+                let preemptible = self.settings.preemptible.get(&class);
+                if self.endpoint.is_some() && preemptible.is_some_and(|p| *p != Preemptible::No) {
+                    // A generation its preemptible class cannot stop (a constrained answer).
+                    self.proxy.resume_kinds.saw(&class, ResumeKind::Off);
+                }
+                None
+            }
         };
         let flow = self.flow_key(&head, &class);
         let ticket = self.admit(Job {

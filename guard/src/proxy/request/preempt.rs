@@ -26,7 +26,7 @@ use crate::{
     queue::Progress,
     upstream::{
         api::{self, llama},
-        exact::{Exact, ExactError, Framer, Ids, Partial},
+        exact::{Exact, ExactError, Framer, Ids, Partial, SideWork},
         exchange::Exchange,
         frames::{Lines, StreamFormat},
         full,
@@ -81,6 +81,8 @@ struct PromptRead {
     counted: bool,
     /// This segment goes on after a preemption.
     resumed: bool,
+    /// Tokens the server sampled for guard's own small requests (`SideWork`).
+    sampled: u64,
 }
 
 impl PromptRead {
@@ -101,6 +103,13 @@ impl PromptRead {
     fn reread(&mut self, tokens: u64) -> u64 {
         self.reread += tokens;
         tokens
+    }
+
+    /// One of guard's own small requests for this one: the server's work counts as the job's.
+    fn side(&mut self, work: SideWork) {
+        self.computed += work.read;
+        self.sampled += work.sampled;
+        self.known = true;
     }
 
     fn next_segment(&mut self) {
@@ -217,7 +226,9 @@ impl Tracked {
                 prompt: Some(run.exact.prompt_tokens()),
                 prompt_computed,
                 prompt_cached,
-                generated: Some(run.ids.generated()),
+                // The server's own count: the answer's tokens and those it sampled for guard's
+                // small requests on its behalf (the client's usage counts only the answer's).
+                generated: Some(run.ids.generated() + read.sampled),
                 decode_per_second: run.decode_per_second,
                 ended: run.ids.stop_type.is_some(),
                 load: None,
@@ -345,6 +356,8 @@ impl QueuedRequest {
         mut tracked: Tracked,
         head: &request::Parts,
     ) -> Ending {
+        // The same for its first segment: it finds whatever of its prompt the cache holds.
+        self.flush(&mut tracked, false).await;
         let (segment_head, body) = tracked.first(head);
         let upstream_head = segment_head.as_ref().unwrap_or(head);
         let started = match &tracked.engine {
@@ -555,24 +568,28 @@ impl QueuedRequest {
             return;
         };
         match run.exact.pad(&self.proxy.upstream, run.ids.exact()).await {
-            Ok(read) => {
-                tracked.read.computed += read;
+            Ok(work) => {
+                tracked.read.side(work);
                 let class = self.class.as_deref().unwrap_or_default();
                 let pad = &self.proxy.metrics.preempt_pad_tokens_total;
-                pad.with_label_values(&[class]).inc_by(read);
+                pad.with_label_values(&[class]).inc_by(work.read);
             }
             Err(err) => kept_nothing(&err),
         }
     }
 
-    async fn flush(&mut self, tracked: &mut Tracked) {
+    /// `going_on`: before a continuation, where the token read counts as read again.
+    async fn flush(&mut self, tracked: &mut Tracked, going_on: bool) {
         let Engine::Exact(run) = &tracked.engine else {
             return;
         };
         match run.exact.flush(&self.proxy.upstream).await {
-            Ok(read) => {
-                tracked.read.computed += tracked.read.reread(read);
-                self.count_reread(read);
+            Ok(work) => {
+                tracked.read.side(work);
+                if going_on {
+                    tracked.read.reread(work.read);
+                    self.count_reread(work.read);
+                }
             }
             Err(err) => kept_nothing(&err),
         }
@@ -736,7 +753,7 @@ impl QueuedRequest {
         let regenerated = metrics
             .preempt_regenerated_tokens_total
             .with_label_values(&[&class]);
-        self.flush(tracked).await;
+        self.flush(tracked, true).await;
         let (segment_head, body) = match &mut tracked.engine {
             Engine::Exact(run) => {
                 let before = run.ids.regenerated;
