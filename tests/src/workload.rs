@@ -54,8 +54,9 @@ pub struct Outcome {
     pub ttft: Vec<Duration>,
     /// Chats answered 503 (guard said no at once).
     pub chats_rejected: usize,
-    /// Batch tokens generated a second while the chats ran: llama-server's own count of
-    /// generated tokens over the chats' window, less the chats' own.
+    /// Batch tokens generated a second while the chats ran: llama-server's own count of its
+    /// decode steps over the chats' window (one a generated token on a slot, as they happen),
+    /// less the chats' own (their tokens and one prompt step each).
     pub batch_tokens_per_second: f64,
 }
 
@@ -127,7 +128,8 @@ pub async fn run(target: SocketAddr, llama: SocketAddr, shape: Shape, flood: boo
     let mut outcome = Outcome::default();
     let generated_before = generated(llama).await;
     let window = Instant::now();
-    let mut chat_tokens = 0;
+    // A chat's steps: one for its prompt, one a token.
+    let mut chat_steps = 0;
     for n in 0..shape.chats {
         let body = json!({
             "messages": [{ "role": "user", "content": "Say hello in five words." }],
@@ -146,7 +148,7 @@ pub async fn run(target: SocketAddr, llama: SocketAddr, shape: Shape, flood: boo
             if let Some((at, _)) = streamed.frames.iter().find(|(_, data)| with_text(data)) {
                 outcome.ttft.push(at.duration_since(sent));
             }
-            chat_tokens += streamed.frames.iter().filter(|(_, d)| with_text(d)).count() as u64;
+            chat_steps += 1 + streamed.frames.iter().filter(|(_, d)| with_text(d)).count() as u64;
         }
         // The next chat comes at its time (the chats arrive as a person's would).
         tokio::time::sleep_until((window + shape.chat_every * (n as u32 + 1)).into()).await;
@@ -156,19 +158,21 @@ pub async fn run(target: SocketAddr, llama: SocketAddr, shape: Shape, flood: boo
         tokio::time::sleep_until((window + shape.chat_every).into()).await;
     }
     let took = window.elapsed();
-    let batch = (generated(llama).await - generated_before).saturating_sub(chat_tokens);
+    let batch = (generated(llama).await - generated_before).saturating_sub(chat_steps);
     outcome.batch_tokens_per_second = batch as f64 / took.as_secs_f64();
     stop.store(true, Ordering::Relaxed);
     workers.abort_all();
     outcome
 }
 
-/// llama-server's own count of the tokens it has generated (of requests that ended).
+/// llama-server's own count of its decode steps: with one slot, one a generated token (and
+/// one a prompt batch), counted as they happen (its generated-token count grows only as
+/// requests end, too coarse for a window shorter than a long job).
 async fn generated(llama: SocketAddr) -> u64 {
     let Ok(response) = crate::http::get(llama, "/metrics").await else {
         return 0;
     };
-    crate::metric(&response.text(), "llamacpp:tokens_predicted_total").unwrap_or(0.0) as u64
+    crate::metric(&response.text(), "llamacpp:n_decode_total").unwrap_or(0.0) as u64
 }
 
 fn count(completed: &AtomicUsize, response: &crate::http::Response) {

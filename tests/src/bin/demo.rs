@@ -31,9 +31,8 @@ async fn main() {
 
 /// Runs the workload, prints the table, then serves until it is dropped.
 async fn demo() {
-    // Stories with no token limit among the batch work: the jobs a chat must not wait out.
+    // Chats one a second, as a person's would come; batch work runs between them.
     let shape = Shape {
-        unbounded: true,
         chat_every: Duration::from_secs(1),
         ..Shape::default()
     };
@@ -42,8 +41,8 @@ async fn demo() {
     eprintln!("demo: starting guard in front of it");
     let guard = GuardProcess::start(llama.addr, "openai", CLASSES);
     eprintln!(
-        "demo: workload: {} interactive chats of {} tokens, one a second, while {} batch clients send, back to back, \
-         {}-token extractions (half of them) and stories with no token limit (the other half)",
+        "demo: workload: {} interactive chats of {} tokens, one a second, while {} batch clients send {}-token \
+         extractions back to back",
         shape.chats, shape.chat_tokens, shape.batch_clients, shape.batch_tokens
     );
 
