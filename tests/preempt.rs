@@ -483,6 +483,24 @@ async fn decoded(llama: std::net::SocketAddr, tokens: u64) {
     }
 }
 
+/// Sends a batch job through guard and returns once llama-server has generated five of its
+/// tokens; the job's answer comes from the handle.
+async fn running_batch_job(
+    guard: &GuardProcess,
+    llama: std::net::SocketAddr,
+    path: &'static str,
+    body: &serde_json::Value,
+) -> tokio::task::JoinHandle<guard_tests::http::Response> {
+    let (addr, body) = (guard.listen, body.clone());
+    let job =
+        tokio::spawn(async move { post(addr, path, &[("x-guard-class", "batch")], &body).await });
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    decoded(llama, 5).await;
+    job
+}
+
 /// Every job shape (a whole chat with a token limit, a streamed chat without one, llama-server's
 /// `/completion` streamed, `/v1/completions` whole), preempted while it reads its prompt, early
 /// and late: the client's answer is, byte for byte, the one the same request gets straight from
@@ -606,14 +624,7 @@ async fn a_paused_request_whose_server_dies_fails_cleanly() {
         "max_tokens": 150,
         "temperature": 0,
     });
-    let job = {
-        let (addr, body) = (guard.listen, body.clone());
-        tokio::spawn(async move { post(addr, "/v1/chat/completions", &batch, &body).await })
-    };
-    guard
-        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-        .await;
-    decoded(llama.addr, 5).await;
+    let job = running_batch_job(&guard, llama.addr, "/v1/chat/completions", &body).await;
     // A long interactive answer holds the slot while the batch job waits.
     let long = json!({
         "messages": [{ "role": "user", "content": "Write a long story." }],
@@ -673,7 +684,6 @@ async fn an_exact_only_class_stops_only_what_goes_on_exactly() {
         status().await,
         json!({"preemptible": "exact-only", "resume": null})
     );
-    let batch = [("x-guard-class", "batch")];
     let chat = json!({
         "messages": [{ "role": "user", "content": "Say hi." }],
         "max_tokens": 4,
@@ -684,14 +694,7 @@ async fn an_exact_only_class_stops_only_what_goes_on_exactly() {
     let plain = json!({ "prompt": "Letters:", "n_predict": 60, "ignore_eos": true,
                         "temperature": 0 });
     for (body, stopped, resume) in [(&constrained, 0.0, "off"), (&plain, 1.0, "exact")] {
-        let job = {
-            let (addr, body) = (guard.listen, body.clone());
-            tokio::spawn(async move { post(addr, "/completion", &batch, &body).await })
-        };
-        guard
-            .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-            .await;
-        decoded(llama.addr, 5).await;
+        let job = running_batch_job(&guard, llama.addr, "/completion", body).await;
         assert_eq!(status().await["resume"], resume);
         let answered = post_streamed(guard.listen, "/v1/chat/completions", &[], &chat).await;
         assert_eq!(answered.status, 200);
