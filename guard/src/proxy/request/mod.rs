@@ -9,6 +9,7 @@
 mod phases;
 mod preempt;
 mod relay;
+mod tracked;
 
 use std::{sync::Arc, time::Duration};
 

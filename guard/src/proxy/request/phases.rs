@@ -10,7 +10,7 @@ use http_body_util::BodyExt as _;
 
 use super::{
     Ending, QueuedRequest,
-    preempt::{Engine, ExactRun, Tracked},
+    tracked::{Engine, ExactRun, Tracked},
 };
 use crate::{
     classify::RequestFacts,
