@@ -706,3 +706,50 @@ async fn an_exact_only_class_stops_only_what_goes_on_exactly() {
         );
     }
 }
+
+/// On Ollama's API (the emulator that follows its documented API: Ollama itself cannot be
+/// installed here), there are no token ids: a preemptible class's chat goes on from its text,
+/// and an `"exact-only"` class's is never stopped; `/status` says which.
+#[tokio::test(flavor = "multi_thread")]
+async fn on_ollama_a_preempted_chat_goes_on_from_its_text_or_is_never_stopped() {
+    let _serial = serial().await;
+    let ollama =
+        guard_tests::servers::OllamaEmulator::start(&["--tokens", "40", "--token-delay-ms", "25"]);
+    let chat = |content: &str| json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": content }] });
+    for (setting, stopped, kind) in [("\"exact-only\"", 0.0, "off"), ("true", 1.0, "text")] {
+        let config = EXACT.replace("\"exact-only\"", setting);
+        let guard = GuardProcess::start(ollama.addr, "ollama", &config);
+        let job = {
+            let (addr, body) = (guard.listen, chat("a long answer"));
+            tokio::spawn(async move {
+                post_streamed(addr, "/api/chat", &[("x-guard-class", "batch")], &body).await
+            })
+        };
+        guard
+            .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+            .await;
+        let answered = post_streamed(guard.listen, "/api/chat", &[], &chat("hi")).await;
+        assert_eq!(answered.status, 200);
+        let job = job.await.expect("batch job");
+        assert_eq!(job.status, 200);
+        let text = guard.metrics_text().await;
+        let m = |series: &str| guard_tests::metric(&text, series).unwrap_or(0.0);
+        assert_eq!(
+            m("guard_preempted_total{class=\"batch\"}"),
+            stopped,
+            "{setting}"
+        );
+        let resumes = format!("guard_preempt_resumes_total{{class=\"batch\",kind=\"{kind}\"}}");
+        assert_eq!(m(&resumes), stopped, "{setting}");
+        assert_eq!(
+            m("guard_jobs_total{class=\"batch\",result=\"valid\"}"),
+            1.0,
+            "{setting}: the job is whole"
+        );
+        let status = guard_tests::http::get(guard.metrics, "/status")
+            .await
+            .expect("status")
+            .json();
+        assert_eq!(status["preemption"]["batch"]["resume"], kind, "{status}");
+    }
+}
