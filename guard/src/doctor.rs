@@ -194,7 +194,7 @@ fn get(config: &Config, path: &str) -> Option<Vec<u8>> {
         .next()?;
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    let request = format!("GET {path} HTTP/1.0\r\nHost: {authority}\r\n\r\n");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {authority}\r\nConnection: close\r\n\r\n");
     stream.write_all(request.as_bytes()).ok()?;
     let mut answer = Vec::new();
     stream.take(1 << 20).read_to_end(&mut answer).ok()?;
