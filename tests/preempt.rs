@@ -684,6 +684,21 @@ async fn an_exact_only_class_stops_only_what_goes_on_exactly() {
         status().await,
         json!({"preemptible": "exact-only", "resume": null})
     );
+    // guard doctor says how the class's requests go on, from the same config.
+    let doctor = std::process::Command::new(guard_tests::guard_bin())
+        .args(["doctor", "--config"])
+        .arg(&guard.config_path)
+        .output()
+        .expect("guard doctor");
+    let said = String::from_utf8_lossy(&doctor.stdout);
+    let line = said
+        .lines()
+        .find(|l| l.contains("preempted requests go on"))
+        .unwrap_or_default();
+    assert!(
+        line.contains("from the exact token ids: llama-server"),
+        "{said}"
+    );
     let chat = json!({
         "messages": [{ "role": "user", "content": "Say hi." }],
         "max_tokens": 4,
