@@ -84,10 +84,7 @@ async fn a_batch_token_cannot_claim_interactive_but_a_trusted_front_end_can() {
         m("guard_classified_total{by=\"header\",class=\"interactive\"}"),
         Some(1.0)
     );
-    let status = guard_tests::http::get(guard.metrics, "/status")
-        .await
-        .expect("status")
-        .json();
+    let status = guard.status().await;
     assert_eq!(status["classified"]["batch"]["nightly"], 1, "{status}");
     assert_eq!(status["classified"]["batch"]["header"], 1, "{status}");
     let table = Command::new(guard_bin())
@@ -207,10 +204,7 @@ async fn a_real_process_is_classified_by_its_cgroup_unit_and_user_with_no_capabi
         relative(&batch.path)
     );
     let guard = GuardProcess::start(ollama.addr, "ollama", &config);
-    let status = guard_tests::http::get(guard.metrics, "/status")
-        .await
-        .expect("status")
-        .json();
+    let status = guard.status().await;
     assert_eq!(status["ebpf"]["attached"], true, "{status}");
     assert_eq!(status["capabilities"], json!([]), "{status}");
     let served = |cgroup: Option<&Path>, uid| curl_claiming_interactive(&guard, cgroup, uid);

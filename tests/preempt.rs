@@ -318,10 +318,7 @@ async fn a_class_that_expects_json_counts_only_json_answers() {
         2.0,
         "the two in prose"
     );
-    let status = guard_tests::http::get(guard.metrics, "/status")
-        .await
-        .expect("status")
-        .json();
+    let status = guard.status().await;
     assert_eq!(status["last_hour"]["batch"]["valid_jobs"], 2, "{status}");
     assert_eq!(status["last_hour"]["batch"]["invalid_jobs"], 2, "{status}");
     assert!(
@@ -673,13 +670,7 @@ async fn an_exact_only_class_stops_only_what_goes_on_exactly() {
     let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", EXACT);
-    let status = || async {
-        let status = guard_tests::http::get(guard.metrics, "/status")
-            .await
-            .expect("status")
-            .json();
-        status["preemption"]["batch"].clone()
-    };
+    let status = || async { guard.status().await["preemption"]["batch"].clone() };
     assert_eq!(
         status().await,
         json!({"preemptible": "exact-only", "resume": null})
@@ -761,10 +752,7 @@ async fn on_ollama_a_preempted_chat_goes_on_from_its_text_or_is_never_stopped() 
             1.0,
             "{setting}: the job is whole"
         );
-        let status = guard_tests::http::get(guard.metrics, "/status")
-            .await
-            .expect("status")
-            .json();
+        let status = guard.status().await;
         assert_eq!(status["preemption"]["batch"]["resume"], kind, "{status}");
     }
 }

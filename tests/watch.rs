@@ -98,7 +98,7 @@ async fn offload_cold_loads_and_remote_models_show_in_metrics_and_status() {
         200
     );
 
-    let status = get(guard.metrics, "/status").await.expect("status").json();
+    let status = guard.status().await;
     let loaded = &status["watch"]["upstream"]["loaded_models"];
     assert_eq!(loaded[0]["name"], "smollm2:135m", "{status}");
     assert_eq!(loaded[0]["cpu_offload_ratio"], 0.52);
@@ -244,7 +244,7 @@ async fn watching_lets_an_idle_llama_server_fall_asleep() {
     let started = Instant::now();
     let asleep = |props: &serde_json::Value| props["is_sleeping"] == true;
     loop {
-        let status = get(guard.metrics, "/status").await.expect("status").json();
+        let status = guard.status().await;
         let props = get(llama.addr, "/props").await.expect("props").json();
         if status["watch"]["upstream"]["up"] == true && asleep(&props) {
             assert_eq!(status["watch"]["upstream"]["slots"], 1, "{status}");
@@ -271,7 +271,7 @@ async fn status_sets_concurrency_beside_the_llama_server_slots() {
     let guard = GuardProcess::start(llama.addr, "openai", &extra);
     let started = Instant::now();
     let slots = loop {
-        let status = get(guard.metrics, "/status").await.expect("status").json();
+        let status = guard.status().await;
         if let Some(slots) = status["watch"]["upstream"]["slots"].as_u64() {
             break slots;
         }
@@ -542,7 +542,7 @@ async fn watching_leaves_llama_servers_own_metrics_as_they_are() {
                 "the user's scraper reads the throughput:\n{text}"
             );
         }
-        let status = get(guard.metrics, "/status").await.expect("status").json();
+        let status = guard.status().await;
         assert_eq!(status["watch"]["upstream"]["up"], true, "{status}");
         assert_eq!(status["watch"]["upstream"]["slots"], 1, "{status}");
     }

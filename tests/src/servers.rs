@@ -430,6 +430,14 @@ impl GuardProcess {
             .text()
     }
 
+    /// Its `/status` document.
+    pub async fn status(&self) -> serde_json::Value {
+        http::get(self.metrics, "/status")
+            .await
+            .expect("guard /status")
+            .json()
+    }
+
     /// Waits until a metric reaches `value` (a state the test waits for, not a time).
     pub async fn wait_for_metric(&self, series: &str, value: f64) {
         let started = Instant::now();

@@ -265,17 +265,8 @@ impl Exact {
 
 /// What the server calls its model and build (answered from its cache, asleep or not).
 async fn get_names(client: &Client, auth: &HeaderMap) -> Names {
-    let (mut head, ()) = Request::new(()).into_parts();
-    head.uri = http::Uri::from_static("/props");
-    head.headers = auth.clone();
-    let Ok(response) = client.send_once(&head, Bytes::new()).await else {
-        return Names::default();
-    };
-    if !response.status().is_success() {
-        return Names::default();
-    }
-    let body = response.into_body().collect().await.ok();
-    body.and_then(|b| serde_json::from_slice(&b.to_bytes()).ok())
+    ask(client, auth, Method::GET, "/props", None)
+        .await
         .unwrap_or_default()
 }
 
@@ -304,11 +295,22 @@ async fn post<T: serde::de::DeserializeOwned>(
     path: &'static str,
     question: &Value,
 ) -> Result<T, ExactError> {
+    ask(client, auth, Method::POST, path, Some(question)).await
+}
+
+/// One question to the server on a connection of its own, its JSON answer read as `T`.
+async fn ask<T: serde::de::DeserializeOwned>(
+    client: &Client,
+    auth: &HeaderMap,
+    method: Method,
+    path: &'static str,
+    question: Option<&Value>,
+) -> Result<T, ExactError> {
     let (mut head, ()) = Request::new(()).into_parts();
-    head.method = Method::POST;
+    head.method = method;
     head.uri = http::Uri::from_static(path);
     head.headers = auth.clone();
-    let body = Bytes::from(question.to_string());
+    let body = question.map_or_else(Bytes::new, |q| Bytes::from(q.to_string()));
     head.headers
         .insert(header::CONTENT_LENGTH, http::HeaderValue::from(body.len()));
     let response = client
