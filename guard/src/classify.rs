@@ -10,11 +10,13 @@ use std::{
 
 use globset::GlobMatcher;
 use http::{HeaderMap, HeaderName, header};
-use prometheus::IntCounterVec;
 
 use crate::{
     config::{Config, parse_cidr},
-    metrics::Metrics,
+    metrics::{
+        Counters, Family, Metrics,
+        labels::{ByClaim, ByClassBy, Claim, ClassBy},
+    },
     reap::peer::Peer,
     secret::Secret,
 };
@@ -312,30 +314,26 @@ fn cgroup_has_prefix(path: &str, prefix: &str) -> bool {
 /// start: the classifier's own count, which `/status` shows and the metrics export.
 pub struct Tally {
     counts: Mutex<BTreeMap<String, BTreeMap<String, u64>>>,
-    classified: IntCounterVec,
-    refused_claims: IntCounterVec,
+    classified: Counters<ByClassBy>,
+    refused_claims: Counters<ByClaim>,
 }
 
 impl Tally {
     pub fn new(metrics: &Metrics) -> Self {
-        let counter = |name: &str, help: &str, labels: &[&str]| {
-            let counter = IntCounterVec::new(prometheus::Opts::new(name, help), labels)
-                .expect("valid counter");
-            metrics.register(Box::new(counter.clone()));
-            counter
-        };
+        let classified = Family::counter(
+            "guard_classified_total",
+            "Requests given a class, by what decided it (a rule's name, header, default).",
+        );
+        let refused_claims = Family::counter(
+            "guard_class_claims_refused_total",
+            "Requests whose class header asked for a more urgent class than their client may have; served in their own class.",
+        );
+        metrics.register(classified.collector());
+        metrics.register(refused_claims.collector());
         Self {
             counts: Mutex::default(),
-            classified: counter(
-                "guard_classified_total",
-                "Requests given a class, by what decided it (a rule's name, header, default).",
-                &["class", "by"],
-            ),
-            refused_claims: counter(
-                "guard_class_claims_refused_total",
-                "Requests whose class header asked for a more urgent class than their client may have; served in their own class.",
-                &["claimed", "class"],
-            ),
+            classified,
+            refused_claims,
         }
     }
 
@@ -343,18 +341,18 @@ impl Tally {
     pub fn prepare(&self, classifier: &Classifier) {
         let classes: Vec<&String> = classifier.priority.keys().collect();
         for rule in &classifier.rules {
-            self.classified
-                .with_label_values(&[&rule.class, &rule.label]);
+            let (class, by) = (rule.class.as_str(), rule.label.as_str());
+            self.classified.of(&ClassBy { class, by });
         }
-        self.classified
-            .with_label_values(&[&classifier.default, "default"]);
+        let class = classifier.default.as_str();
+        self.classified.of(&ClassBy { class, by: "default" });
         for class in &classes {
-            self.classified
-                .with_label_values(&[class.as_str(), "header"]);
+            let class = class.as_str();
+            self.classified.of(&ClassBy { class, by: "header" });
             for claimed in &classes {
                 if classifier.priority(claimed) < classifier.priority(class) {
-                    self.refused_claims
-                        .with_label_values(&[claimed.as_str(), class.as_str()]);
+                    let claimed = claimed.as_str();
+                    self.refused_claims.of(&Claim { claimed, class });
                 }
             }
         }
@@ -363,13 +361,11 @@ impl Tally {
     /// Counts one request's final decision.
     pub fn record(&self, classifier: &Classifier, decision: &Decision) {
         let by = classifier.label(decision.by);
-        self.classified
-            .with_label_values(&[&decision.class, by])
-            .inc();
+        let class = decision.class.as_str();
+        self.classified.of(&ClassBy { class, by }).inc();
         if let Some(claimed) = &decision.refused_claim {
-            self.refused_claims
-                .with_label_values(&[claimed, &decision.class])
-                .inc();
+            let claimed = claimed.as_str();
+            self.refused_claims.of(&Claim { claimed, class }).inc();
         }
         let mut counts = self
             .counts

@@ -1,11 +1,25 @@
 //! guard's Prometheus metrics (docs/design.md §7) and the listener that serves them.
 
+pub mod family;
+pub mod labels;
 mod server;
 
 use prometheus::{
-    Encoder as _, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder as _, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Registry, TextEncoder,
 };
+
+pub use family::Family;
+use labels::*;
+
+/// Integer counters, told apart by the label set `L`.
+pub type Counters<L> = Family<L, IntCounterVec>;
+/// Integer gauges.
+pub type IntGauges<L> = Family<L, IntGaugeVec>;
+/// Gauges of a measured value.
+pub type Gauges<L> = Family<L, GaugeVec>;
+/// Histograms.
+pub type Histograms<L> = Family<L, HistogramVec>;
 
 pub use server::{Extra, Limits, StatusFn, serve};
 
@@ -21,6 +35,11 @@ const PREDICTION_ERROR_BUCKETS: &[f64] = &[
     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 60.0, 300.0,
 ];
 
+/// Buckets for decode rates, tokens per second.
+const TOKEN_RATE_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0,
+];
+
 /// Buckets for reap latency, from 10 µs to 5 s.
 const REAP_BUCKETS: &[f64] = &[
     0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0,
@@ -30,18 +49,18 @@ const REAP_BUCKETS: &[f64] = &[
 #[derive(Clone)]
 pub struct Metrics {
     registry: Registry,
-    pub requests_total: IntCounterVec,
-    pub rejected_total: IntCounterVec,
-    pub reaped_total: IntCounterVec,
-    pub queue_depth: IntGaugeVec,
-    pub inflight: IntGaugeVec,
-    pub queue_wait_seconds: HistogramVec,
-    pub ttft_seconds: HistogramVec,
-    pub request_duration_seconds: HistogramVec,
-    pub start_prediction_error_seconds: HistogramVec,
+    pub requests_total: Counters<ByClassOutcome>,
+    pub rejected_total: Counters<ByClassReason>,
+    pub reaped_total: Counters<ByClassStage>,
+    pub queue_depth: IntGauges<ByClass>,
+    pub inflight: IntGauges<ByClass>,
+    pub queue_wait_seconds: Histograms<ByClass>,
+    pub ttft_seconds: Histograms<ByClass>,
+    pub request_duration_seconds: Histograms<ByClass>,
+    pub start_prediction_error_seconds: Histograms<ByClass>,
     pub reap_latency_seconds: Histogram,
-    pub timed_out_total: IntCounterVec,
-    pub failed_total: IntCounterVec,
+    pub timed_out_total: Counters<ByClassWhich>,
+    pub failed_total: Counters<ByClassKind>,
     pub ebpf_attached: IntGauge,
     /// What the balancers are told (docs/design.md §11), as one series each.
     pub cluster_waiting: IntGauge,
@@ -49,93 +68,85 @@ pub struct Metrics {
     pub cluster_usage: prometheus::Gauge,
     pub ebpf_events_total: IntCounter,
     pub ebpf_ring_drops_total: IntCounter,
-    pub passthrough_requests_total: IntCounterVec,
-    pub config_reloads_total: IntCounterVec,
-    pub admitted_total: IntCounterVec,
-    pub rejected_after_queueing_total: IntCounterVec,
-    pub invalid_requests_total: IntCounterVec,
-    pub model_cold_loads_total: IntCounterVec,
-    pub model_last_load_seconds: prometheus::GaugeVec,
-    pub class_deadline_seconds: prometheus::GaugeVec,
-    pub remote_refused_total: IntCounterVec,
-    pub class_throttled: IntGaugeVec,
-    pub preempted_total: IntCounterVec,
-    pub tokens_total: IntCounterVec,
-    pub jobs_total: IntCounterVec,
-    pub generation_tokens_per_second: HistogramVec,
-    pub preempt_regenerated_tokens_total: IntCounterVec,
-    pub preempt_pause_seconds: HistogramVec,
-    pub preempt_resumes_total: IntCounterVec,
-    pub preempt_reread_tokens_total: IntCounterVec,
-    pub preempt_pad_tokens_total: IntCounterVec,
-    pub prompt_tokens_total: IntCounterVec,
-    pub throttle_changes_total: IntCounterVec,
-    pub at_risk: IntGaugeVec,
+    pub passthrough_requests_total: Counters<ByCode>,
+    pub config_reloads_total: Counters<ByResult>,
+    pub admitted_total: Counters<ByClass>,
+    pub rejected_after_queueing_total: Counters<ByClassReason>,
+    pub invalid_requests_total: Counters<ByReason>,
+    pub model_cold_loads_total: Counters<ByModel>,
+    pub model_last_load_seconds: Gauges<ByModel>,
+    pub class_deadline_seconds: Gauges<ByClass>,
+    pub remote_refused_total: Counters<ByClassModel>,
+    pub class_throttled: IntGauges<ByClass>,
+    pub preempted_total: Counters<ByClass>,
+    pub tokens_total: Counters<ByClassKind>,
+    pub jobs_total: Counters<ByClassResult>,
+    pub generation_tokens_per_second: Histograms<ByClass>,
+    pub preempt_regenerated_tokens_total: Counters<ByClass>,
+    pub preempt_pause_seconds: Histograms<ByClass>,
+    pub preempt_resumes_total: Counters<ByClassKind>,
+    pub preempt_reread_tokens_total: Counters<ByClass>,
+    pub preempt_pad_tokens_total: Counters<ByClass>,
+    pub prompt_tokens_total: Counters<ByClassSource>,
+    pub throttle_changes_total: Counters<ByClassChange>,
+    pub at_risk: IntGauges<ByReason>,
     pub body_bytes_in_flight: IntGauge,
     pub connections: IntGauge,
     pub connections_parked: IntGauge,
-    pub connections_refused_total: IntCounterVec,
+    pub connections_refused_total: Counters<ByListener>,
 }
 
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
-        let class = &["class"];
         let metrics = Self {
-            requests_total: counter_vec(
+            requests_total: Family::counter(
                 "guard_requests_total",
                 "Requests to queued endpoints by class and final outcome (completed, rejected, reaped, failed, timed_out).",
-                &["class", "outcome"],
             ),
-            rejected_total: counter_vec(
+            rejected_total: Family::counter(
                 "guard_rejected_total",
                 "Requests answered 503 by class and reason (queue_full, deadline_predicted, deadline_expired, shutting_down).",
-                &["class", "reason"],
             ),
-            reaped_total: counter_vec(
+            reaped_total: Family::counter(
                 "guard_reaped_total",
                 "Requests whose client left, by class and stage (queued, running).",
-                &["class", "stage"],
             ),
-            queue_depth: gauge_vec("guard_queue_depth", "Requests waiting, by class.", class),
-            inflight: gauge_vec(
+            queue_depth: Family::int_gauge(
+                "guard_queue_depth",
+                "Requests waiting, by class.",
+            ),
+            inflight: Family::int_gauge(
                 "guard_inflight",
                 "Requests running at the upstream, by class.",
-                class,
             ),
-            queue_wait_seconds: histogram_vec(
+            queue_wait_seconds: Family::histogram(
                 "guard_queue_wait_seconds",
                 "Time from arrival to dispatch (or to leaving the queue).",
-                class,
+                LATENCY_BUCKETS,
             ),
-            ttft_seconds: histogram_vec(
+            ttft_seconds: Family::histogram(
                 "guard_ttft_seconds",
                 "Time from arrival to the first response byte sent to the client.",
-                class,
+                LATENCY_BUCKETS,
             ),
-            request_duration_seconds: histogram_vec(
+            request_duration_seconds: Family::histogram(
                 "guard_request_duration_seconds",
                 "Time from arrival to the last response byte.",
-                class,
+                LATENCY_BUCKETS,
             ),
-            start_prediction_error_seconds: HistogramVec::new(
-                HistogramOpts::new(
-                    "guard_start_prediction_error_seconds",
-                    "Actual minus predicted start (arrival to dispatch) of admitted requests: positive started later than predicted.",
-                )
-                .buckets(PREDICTION_ERROR_BUCKETS.to_vec()),
-                class,
-            )
-            .expect("valid histogram"),
-            timed_out_total: counter_vec(
+            start_prediction_error_seconds: Family::histogram(
+                "guard_start_prediction_error_seconds",
+                "Actual minus predicted start (arrival to dispatch) of admitted requests: positive started later than predicted.",
+                PREDICTION_ERROR_BUCKETS,
+            ),
+            timed_out_total: Family::counter(
                 "guard_timed_out_total",
                 "Accepted requests ended by a timeout, by class and which (upstream_idle, client_stall, max_duration).",
-                &["class", "which"],
             ),
-            failed_total: counter_vec(
+            failed_total: Family::counter(
                 "guard_failed_total",
                 "Accepted requests that failed, by class and kind (upstream_unreachable, upstream_timeout, upstream_error, upstream_reset).",
-                &["class", "kind"],
             ),
             reap_latency_seconds: Histogram::with_opts(
                 HistogramOpts::new(
@@ -175,125 +186,95 @@ impl Metrics {
                 "Socket state changes lost because the eBPF ring buffer was full.",
             )
             .expect("valid counter"),
-            passthrough_requests_total: counter_vec(
+            passthrough_requests_total: Family::counter(
                 "guard_passthrough_requests_total",
                 "Requests to endpoints guard does not queue, passed straight through, by status code.",
-                &["code"],
             ),
-            config_reloads_total: counter_vec(
+            config_reloads_total: Family::counter(
                 "guard_config_reloads_total",
                 "SIGHUP reloads by result (applied, refused).",
-                &["result"],
             ),
-            admitted_total: counter_vec(
+            admitted_total: Family::counter(
                 "guard_admitted_total",
                 "Requests that entered a class queue (accepted).",
-                &["class"],
             ),
-            rejected_after_queueing_total: counter_vec(
+            rejected_after_queueing_total: Family::counter(
                 "guard_rejected_after_queueing_total",
                 "Accepted requests later answered 503 from the queue (deadline_expired, shutting_down).",
-                &["class", "reason"],
             ),
-            invalid_requests_total: counter_vec(
+            invalid_requests_total: Family::counter(
                 "guard_invalid_requests_total",
                 "Requests refused before queueing and never forwarded: bad_path, framing, body_too_large, unknown_class, body_read, body_read_timeout.",
-                &["reason"],
             ),
-            model_cold_loads_total: counter_vec(
+            model_cold_loads_total: Family::counter(
                 "guard_model_cold_loads_total",
                 "Responses whose model had to be loaded first (Ollama load_duration above watch.cold_load_ms).",
-                &["model"],
             ),
-            model_last_load_seconds: prometheus::GaugeVec::new(
-                Opts::new(
-                    "guard_model_last_load_seconds",
-                    "The last load_duration Ollama reported for a model.",
-                ),
-                &["model"],
-            )
-            .expect("valid gauge"),
-            class_deadline_seconds: prometheus::GaugeVec::new(
-                Opts::new(
-                    "guard_class_deadline_seconds",
-                    "A class's configured time-to-first-token deadline.",
-                ),
-                &["class"],
-            )
-            .expect("valid gauge"),
-            remote_refused_total: counter_vec(
+            model_last_load_seconds: Family::gauge(
+                "guard_model_last_load_seconds",
+                "The last load_duration Ollama reported for a model.",
+            ),
+            class_deadline_seconds: Family::gauge(
+                "guard_class_deadline_seconds",
+                "A class's configured time-to-first-token deadline.",
+            ),
+            remote_refused_total: Family::counter(
                 "guard_remote_refused_total",
                 "Requests refused (403) because their model is served from elsewhere and their class may not ask for that (allow_remote_models).",
-                &["class", "model"],
             ),
-            tokens_total: counter_vec(
+            tokens_total: Family::counter(
                 "guard_tokens_total",
                 "Tokens by the upstream's own count: prompt (evaluated) and generated.",
-                &["class", "kind"],
             ),
-            jobs_total: counter_vec(
+            jobs_total: Family::counter(
                 "guard_jobs_total",
                 "Dispatched requests: valid when completed with the server's own end marker, else invalid (cut, failed, timed out, an error status).",
-                &["class", "result"],
             ),
-            generation_tokens_per_second: HistogramVec::new(
-                HistogramOpts::new(
-                    "guard_generation_tokens_per_second",
-                    "Steady decode rate of an answer (first token excluded), as the server measured it or guard saw it.",
-                )
-                .buckets(vec![1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0]),
-                &["class"],
-            )
-            .expect("valid histogram"),
-            preempted_total: counter_vec(
+            generation_tokens_per_second: Family::histogram(
+                "guard_generation_tokens_per_second",
+                "Steady decode rate of an answer (first token excluded), as the server measured it or guard saw it.",
+                TOKEN_RATE_BUCKETS,
+            ),
+            preempted_total: Family::counter(
                 "guard_preempted_total",
                 "Running requests stopped for a more urgent class (each goes on later).",
-                &["class"],
             ),
-            preempt_regenerated_tokens_total: counter_vec(
+            preempt_regenerated_tokens_total: Family::counter(
                 "guard_preempt_regenerated_tokens_total",
                 "Tokens generated and thrown away by preemption (a request restarted from scratch).",
-                &["class"],
             ),
-            preempt_pause_seconds: histogram_vec(
+            preempt_pause_seconds: Family::histogram(
                 "guard_preempt_pause_seconds",
                 "How long a preempted request waited before it went on.",
-                &["class"],
+                LATENCY_BUCKETS,
             ),
-            preempt_resumes_total: counter_vec(
+            preempt_resumes_total: Family::counter(
                 "guard_preempt_resumes_total",
                 "Preempted requests that went on, by how: exact (from the token ids it stopped at), text (the partial answer sent again as text) or restart (from scratch).",
-                &["class", "kind"],
             ),
-            preempt_reread_tokens_total: counter_vec(
+            preempt_reread_tokens_total: Family::counter(
                 "guard_preempt_reread_tokens_total",
                 "Prompt tokens the server read again (not from its cache) to go on after a preemption.",
-                &["class"],
             ),
-            preempt_pad_tokens_total: counter_vec(
+            preempt_pad_tokens_total: Family::counter(
                 "guard_preempt_pad_tokens_total",
                 "Tokens guard had llama-server read after a short preempted job's state, so that the urgent request could not take that state from its prompt cache.",
-                &["class"],
             ),
-            prompt_tokens_total: counter_vec(
+            prompt_tokens_total: Family::counter(
                 "guard_prompt_tokens_total",
                 "Prompt tokens by what the server did with them: computed (read anew) or cached (reused from its prompt cache), as the server itself counted them.",
-                &["class", "source"],
             ),
-            throttle_changes_total: counter_vec(
+            throttle_changes_total: Family::counter(
                 "guard_throttle_changes_total",
                 "Holds and releases of a class's cgroup, by reason (at_risk, risk_clear, max_throttle, shutdown).",
-                &["class", "change", "reason"],
             ),
-            class_throttled: gauge_vec(
+            class_throttled: Family::int_gauge(
                 "guard_class_throttled",
                 "1 while guard holds this class's cgroup back (frozen or CPU-limited).",
-                &["class"],
             ),
-            at_risk: gauge_vec(
+            at_risk: Family::int_gauge(
                 "guard_at_risk",
                 "1 while this signal says protected deadlines are at risk (wait, ttft, swap, memory_pressure, gpu_memory).",
-                &["reason"],
             ),
             body_bytes_in_flight: IntGauge::new(
                 "guard_body_bytes_in_flight",
@@ -310,10 +291,9 @@ impl Metrics {
                 "Of the client connections, those idle between requests and parked outside hyper (holding only their socket).",
             )
             .expect("valid gauge"),
-            connections_refused_total: counter_vec(
+            connections_refused_total: Family::counter(
                 "guard_connections_refused_total",
                 "Connections closed at once because their listener was full (proxy: server.max_connections, metrics: metrics.max_connections, agent: 64).",
-                &["listener"],
             ),
             registry,
         };
@@ -323,50 +303,50 @@ impl Metrics {
 
     fn register_all(&self) {
         let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
-            Box::new(self.requests_total.clone()),
-            Box::new(self.rejected_total.clone()),
-            Box::new(self.reaped_total.clone()),
-            Box::new(self.queue_depth.clone()),
-            Box::new(self.inflight.clone()),
-            Box::new(self.queue_wait_seconds.clone()),
-            Box::new(self.ttft_seconds.clone()),
-            Box::new(self.request_duration_seconds.clone()),
-            Box::new(self.start_prediction_error_seconds.clone()),
+            self.requests_total.collector(),
+            self.rejected_total.collector(),
+            self.reaped_total.collector(),
+            self.queue_depth.collector(),
+            self.inflight.collector(),
+            self.queue_wait_seconds.collector(),
+            self.ttft_seconds.collector(),
+            self.request_duration_seconds.collector(),
+            self.start_prediction_error_seconds.collector(),
             Box::new(self.reap_latency_seconds.clone()),
-            Box::new(self.timed_out_total.clone()),
-            Box::new(self.failed_total.clone()),
+            self.timed_out_total.collector(),
+            self.failed_total.collector(),
             Box::new(self.ebpf_attached.clone()),
             Box::new(self.cluster_waiting.clone()),
             Box::new(self.cluster_running.clone()),
             Box::new(self.cluster_usage.clone()),
             Box::new(self.ebpf_events_total.clone()),
             Box::new(self.ebpf_ring_drops_total.clone()),
-            Box::new(self.passthrough_requests_total.clone()),
-            Box::new(self.config_reloads_total.clone()),
-            Box::new(self.admitted_total.clone()),
-            Box::new(self.rejected_after_queueing_total.clone()),
-            Box::new(self.invalid_requests_total.clone()),
-            Box::new(self.model_cold_loads_total.clone()),
-            Box::new(self.model_last_load_seconds.clone()),
-            Box::new(self.class_deadline_seconds.clone()),
-            Box::new(self.remote_refused_total.clone()),
-            Box::new(self.class_throttled.clone()),
-            Box::new(self.preempted_total.clone()),
-            Box::new(self.tokens_total.clone()),
-            Box::new(self.jobs_total.clone()),
-            Box::new(self.generation_tokens_per_second.clone()),
-            Box::new(self.preempt_regenerated_tokens_total.clone()),
-            Box::new(self.preempt_pause_seconds.clone()),
-            Box::new(self.preempt_resumes_total.clone()),
-            Box::new(self.preempt_reread_tokens_total.clone()),
-            Box::new(self.preempt_pad_tokens_total.clone()),
-            Box::new(self.prompt_tokens_total.clone()),
-            Box::new(self.throttle_changes_total.clone()),
-            Box::new(self.at_risk.clone()),
+            self.passthrough_requests_total.collector(),
+            self.config_reloads_total.collector(),
+            self.admitted_total.collector(),
+            self.rejected_after_queueing_total.collector(),
+            self.invalid_requests_total.collector(),
+            self.model_cold_loads_total.collector(),
+            self.model_last_load_seconds.collector(),
+            self.class_deadline_seconds.collector(),
+            self.remote_refused_total.collector(),
+            self.class_throttled.collector(),
+            self.preempted_total.collector(),
+            self.tokens_total.collector(),
+            self.jobs_total.collector(),
+            self.generation_tokens_per_second.collector(),
+            self.preempt_regenerated_tokens_total.collector(),
+            self.preempt_pause_seconds.collector(),
+            self.preempt_resumes_total.collector(),
+            self.preempt_reread_tokens_total.collector(),
+            self.preempt_pad_tokens_total.collector(),
+            self.prompt_tokens_total.collector(),
+            self.throttle_changes_total.collector(),
+            self.at_risk.collector(),
             Box::new(self.body_bytes_in_flight.clone()),
             Box::new(self.connections.clone()),
             Box::new(self.connections_parked.clone()),
-            Box::new(self.connections_refused_total.clone()),
+            self.connections_refused_total.collector(),
         ];
         for collector in collectors {
             self.registry
@@ -387,22 +367,16 @@ impl Metrics {
         match deadline {
             Some(deadline) => self
                 .class_deadline_seconds
-                .with_label_values(&[class])
+                .of(&Class { class })
                 .set(deadline.as_secs_f64()),
-            None => {
-                let _ = self.class_deadline_seconds.remove_label_values(&[class]);
-            }
+            None => self.class_deadline_seconds.remove(&Class { class }),
         }
     }
 
     /// A class's waiting and running requests.
     pub fn publish_class(&self, class: &str, queued: usize, running: usize) {
-        self.queue_depth
-            .with_label_values(&[class])
-            .set(queued as i64);
-        self.inflight
-            .with_label_values(&[class])
-            .set(running as i64);
+        self.queue_depth.of(&Class { class }).set(queued as i64);
+        self.inflight.of(&Class { class }).set(running as i64);
     }
 
     /// Brings a counter that mirrors a monotonic source (a kernel counter) up to `value`.
@@ -427,20 +401,4 @@ impl Default for Metrics {
     fn default() -> Self {
         Self::new()
     }
-}
-
-fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
-    IntCounterVec::new(Opts::new(name, help), labels).expect("valid counter")
-}
-
-fn gauge_vec(name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
-    IntGaugeVec::new(Opts::new(name, help), labels).expect("valid gauge")
-}
-
-fn histogram_vec(name: &str, help: &str, labels: &[&str]) -> HistogramVec {
-    HistogramVec::new(
-        HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
-        labels,
-    )
-    .expect("valid histogram")
 }

@@ -44,7 +44,9 @@ pub async fn serve(
 ) {
     let refused = metrics
         .connections_refused_total
-        .with_label_values(&["metrics"]);
+        .of(&super::labels::Listener {
+            listener: "metrics",
+        });
     let mut acceptor = Acceptor::new(listeners, "metrics", limits.max_connections, refused);
     loop {
         let Arrival::Accepted(Accepted { stream, place, .. }) = acceptor.next().await else {

@@ -75,9 +75,10 @@ impl ClientBody {
 }
 
 impl Feed {
-    /// Hands a frame over; waits while the channel is full (hyper is not writing).
-    pub async fn send(&self, frame: Frame<Bytes>) -> Result<(), Gone> {
-        self.frames.send(frame).await.map_err(|_| Gone)
+    /// Waits for room for one frame. Cancel-safe: a frame waiting for room stays with its
+    /// owner, who may stop waiting (a preemption, the client's time running out) and keep it.
+    pub async fn room(&self) -> Result<mpsc::Permit<'_, Frame<Bytes>>, Gone> {
+        self.frames.reserve().await.map_err(|_| Gone)
     }
 
     /// Hands a frame over if there is room now.
@@ -151,9 +152,10 @@ mod tests {
     #[tokio::test]
     async fn frames_then_a_clean_end() {
         let (mut body, feed) = ClientBody::channel(SizeHint::default());
-        feed.send(Frame::data(Bytes::from_static(b"a")))
+        feed.room()
             .await
-            .expect("send");
+            .expect("room")
+            .send(Frame::data(Bytes::from_static(b"a")));
         feed.finish(Some(Finish::Clean));
         assert_eq!(data(&mut body).await, "a");
         assert!(body.frame().await.is_none());
@@ -163,9 +165,10 @@ mod tests {
     #[tokio::test]
     async fn an_error_piece_comes_last() {
         let (mut body, feed) = ClientBody::channel(SizeHint::default());
-        feed.send(Frame::data(Bytes::from_static(b"a")))
+        feed.room()
             .await
-            .expect("send");
+            .expect("room")
+            .send(Frame::data(Bytes::from_static(b"a")));
         feed.finish(Some(Finish::Error(Bytes::from_static(b"e"))));
         assert_eq!(data(&mut body).await, "a");
         assert_eq!(data(&mut body).await, "e");

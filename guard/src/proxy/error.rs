@@ -80,6 +80,8 @@ pub enum ProxyError {
     UpstreamSaid(String),
     #[error("the upstream's answer ended before its end marker")]
     Truncated,
+    #[error("method {method} is not passed on: guard forwards requests for a path on the upstream only")]
+    MethodNotAllowed { method: http::Method },
     #[error("guard let go of this request (an internal error)")]
     Internal,
 }
@@ -129,6 +131,7 @@ impl ProxyError {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             Self::RemoteModel { .. } => StatusCode::FORBIDDEN,
+            Self::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             Self::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
     }
@@ -145,6 +148,7 @@ impl ProxyError {
             Self::PassthroughFull { .. } => "passthrough_full",
             Self::Rejected { reason, .. } => reason.as_str(),
             Self::RemoteModel { .. } => "remote_model_refused",
+            Self::MethodNotAllowed { .. } => "method_not_allowed",
             Self::Upstream(UpstreamError::Timeout(_)) | Self::UpstreamTimeout(_) => {
                 "upstream_timeout"
             }
@@ -215,6 +219,10 @@ impl ProxyError {
             Self::TooManyConnections | Self::PassthroughFull { .. } => Some(Duration::ZERO),
             _ => None,
         };
+        if let Self::MethodNotAllowed { .. } = self {
+            // A 405 says what is allowed (RFC 9110 §15.5.6): any origin request.
+            headers.insert(header::ALLOW, HeaderValue::from_static(ALLOWED_METHODS));
+        }
         if let Some(retry_after) = retry_after {
             headers.insert(
                 header::RETRY_AFTER,
@@ -224,6 +232,9 @@ impl ProxyError {
         response
     }
 }
+
+/// The methods guard passes on: every one but those that ask for a tunnel or a trace.
+pub const ALLOWED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS";
 
 /// Whole seconds, rounded up, at least one (docs/design.md §6).
 pub fn retry_after_secs(estimate: Duration) -> u64 {

@@ -76,32 +76,20 @@ impl Settings {
 
 /// What every connection handler shares.
 pub struct Proxy {
-    upstream: Client,
+    /// What the queued requests share.
+    queued: Arc<request::Shared>,
     /// A pool for pass-through requests per serving thread: a pooled connection is served by
     /// the thread that made it, and one thread's request on another's connection would cross
     /// threads at every step.
     passthrough: Box<[Client]>,
-    connector: Arc<Connector>,
-    response_timeout: Duration,
-    metrics: Metrics,
-    scheduler: Arc<Scheduler>,
     connections: Arc<Registry>,
-    tracker: Option<Arc<EbpfTracker>>,
     settings: RwLock<Arc<Settings>>,
     header_read_timeout: Duration,
-    remote_models: Arc<Watched>,
-    budget: Arc<budget::BodyBudget>,
     /// Pass-through requests in flight now.
     passing: Arc<std::sync::atomic::AtomicU32>,
     max_connections: usize,
     /// Client connections hyper may keep between requests (`server.ready_connections`).
     ready_connections: usize,
-    ttft: Arc<crate::throttle::ttft::TtftWindow>,
-    tally: Arc<Tally>,
-    throughput: Arc<Throughput>,
-    resume_kinds: Arc<resumes::ResumeKinds>,
-    /// Hashes flow keys (`fair_by`) with a key of this process's own.
-    flow_keys: std::hash::RandomState,
 }
 
 /// The shared pieces a proxy is built from.
@@ -142,50 +130,55 @@ impl Proxy {
             .set_half_close_means_gone(config.server.half_close_means_gone);
         let settings = Settings::from(config);
         parts.tally.prepare(&settings.classifier);
-        Ok(Self {
+        let queued = request::Shared {
             upstream: Client::new(&config.upstream),
-            passthrough: (0..workers::per_cpu_count())
-                .map(|_| Client::new(&config.upstream))
-                .collect(),
             connector: Connector::new(dial, config.upstream.max_concurrency as usize),
             response_timeout: Duration::from_millis(config.upstream.response_timeout_ms),
-            scheduler: parts.scheduler,
-            connections: parts.connections,
-            tracker: parts.tracker,
-            settings: RwLock::new(Arc::new(settings)),
-            header_read_timeout: config.header_read_timeout(),
-            remote_models: parts.watched,
             budget: budget::BodyBudget::new(
                 config.server.max_body_bytes_in_flight,
                 parts.metrics.body_bytes_in_flight.clone(),
             ),
-            passing: Arc::default(),
-            max_connections: config.server.max_connections as usize,
-            ready_connections: config.server.ready_connections as usize,
+            metrics: parts.metrics,
+            scheduler: parts.scheduler,
+            tracker: parts.tracker,
+            remote_models: parts.watched,
             ttft: parts.ttft,
             tally: parts.tally,
             throughput: parts.throughput,
             resume_kinds: parts.resume_kinds,
             flow_keys: std::hash::RandomState::new(),
-            metrics: parts.metrics,
+        };
+        Ok(Self {
+            queued: Arc::new(queued),
+            passthrough: (0..workers::per_cpu_count())
+                .map(|_| Client::new(&config.upstream))
+                .collect(),
+            connections: parts.connections,
+            settings: RwLock::new(Arc::new(settings)),
+            header_read_timeout: config.header_read_timeout(),
+            passing: Arc::default(),
+            max_connections: config.server.max_connections as usize,
+            ready_connections: config.server.ready_connections as usize,
         })
     }
 
     /// Applies a reloaded config's classes, limits and rules. Queued and running requests
     /// keep their place.
     pub fn reload(&self, config: &Config) {
+        let queued = &self.queued;
         for class in config.class.keys() {
-            outcome::init_class(&self.metrics, class);
+            outcome::init_class(&queued.metrics, class);
         }
-        self.scheduler.reconfigure(config);
-        self.connector
+        queued.scheduler.reconfigure(config);
+        queued
+            .connector
             .set_idle_max(config.upstream.max_concurrency as usize);
-        self.budget.set_cap(config.server.max_body_bytes_in_flight);
-        self.remote_models.set_named_models(config);
+        queued.budget.set_cap(config.server.max_body_bytes_in_flight);
+        queued.remote_models.set_named_models(config);
         self.connections
             .set_half_close_means_gone(config.server.half_close_means_gone);
         let settings = Settings::from(config);
-        self.tally.prepare(&settings.classifier);
+        queued.tally.prepare(&settings.classifier);
         *self
             .settings
             .write()
@@ -205,7 +198,7 @@ impl Proxy {
     fn passthrough_client(&self) -> &Client {
         workers::current()
             .and_then(|index| self.passthrough.get(index))
-            .unwrap_or(&self.upstream)
+            .unwrap_or(&self.queued.upstream)
     }
 
     fn half_close_means_gone(&self) -> bool {
@@ -221,6 +214,12 @@ impl Proxy {
     ) -> Response<Body> {
         let settings = self.settings();
         let shape = error_shape(request.uri().path(), settings.api);
+        if !passes_on(request.method()) {
+            let error = ProxyError::MethodNotAllowed {
+                method: request.method().clone(),
+            };
+            return self.bad_request(Invalid::Method, error, connection, shape);
+        }
         if let Err(reason) = framing(request.headers()) {
             return self.bad_request(
                 Invalid::Framing,
@@ -237,7 +236,8 @@ impl Proxy {
             }
         };
         if queued {
-            return request::handle(Arc::clone(self), settings, request, connection).await;
+            let queued = Arc::clone(&self.queued);
+            return request::handle(queued, settings, request, connection).await;
         }
         // Boxed: hyper keeps room for this future in every connection, idle or not, and the
         // pass-through client's state is most of it.
@@ -253,10 +253,7 @@ impl Proxy {
         connection: &crate::reap::registry::Connection,
         shape: ErrorShape,
     ) -> Response<Body> {
-        self.metrics
-            .invalid_requests_total
-            .with_label_values(&[reason.as_str()])
-            .inc();
+        outcome::invalid(&self.queued.metrics, reason.as_str());
         let mut response = error.into_response(shape);
         response.headers_mut().insert(
             http::header::CONNECTION,
@@ -265,6 +262,13 @@ impl Proxy {
         connection.linger();
         response
     }
+}
+
+/// Whether guard passes a request of this method on. `CONNECT` asks for a tunnel (hyper would
+/// hand the connection over on a 2xx, and the upstream would wait for bytes that never come),
+/// `TRACE` echoes the request's headers back (credentials included): guard answers both itself.
+fn passes_on(method: &Method) -> bool {
+    *method != Method::CONNECT && *method != Method::TRACE
 }
 
 /// A request whose length two parties could read two ways (RFC 9112 §6.3): a

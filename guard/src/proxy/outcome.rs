@@ -2,7 +2,19 @@
 
 use std::time::Duration;
 
-use crate::{metrics::Metrics, queue::RejectReason};
+use crate::{
+    metrics::{
+        Metrics,
+        labels::{
+            Class, ClassKind, ClassModel, ClassOutcome, ClassReason, ClassResult, ClassSource,
+            ClassStage, ClassWhich, Reason,
+        },
+    },
+    upstream::usage::Usage,
+    proxy::error::ProxyError,
+    queue::RejectReason,
+    upstream::UpstreamError,
+};
 
 /// Where a request was when it ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,6 +44,8 @@ pub enum Invalid {
     BodyTooLarge,
     UnknownClass,
     BodyRead,
+    /// A method guard never passes on (`CONNECT`, `TRACE`).
+    Method,
 }
 
 impl Invalid {
@@ -42,6 +56,7 @@ impl Invalid {
             Self::BodyTooLarge => "body_too_large",
             Self::UnknownClass => "unknown_class",
             Self::BodyRead => "body_read",
+            Self::Method => "method",
         }
     }
 }
@@ -149,71 +164,85 @@ const FAIL_KINDS: [FailKind; 5] = [
 /// Makes every per-class series this record writes exist at zero, so dashboards and
 /// `absent()` alerts see a class before its first request.
 pub fn init_class(metrics: &Metrics, class: &str) {
-    metrics.preempted_total.with_label_values(&[class]);
-    metrics.preempt_pause_seconds.with_label_values(&[class]);
-    metrics
-        .generation_tokens_per_second
-        .with_label_values(&[class]);
-    for result in ["valid", "invalid"] {
-        metrics.jobs_total.with_label_values(&[class, result]);
+    let by_class = Class { class };
+    for family in [
+        &metrics.preempted_total,
+        &metrics.preempt_regenerated_tokens_total,
+        &metrics.preempt_reread_tokens_total,
+        &metrics.preempt_pad_tokens_total,
+        &metrics.admitted_total,
+    ] {
+        family.of(&by_class);
     }
-    for kind in ["prompt", "generated"] {
-        metrics.tokens_total.with_label_values(&[class, kind]);
-    }
-    metrics
-        .preempt_regenerated_tokens_total
-        .with_label_values(&[class]);
-    metrics
-        .preempt_reread_tokens_total
-        .with_label_values(&[class]);
-    metrics.preempt_pad_tokens_total.with_label_values(&[class]);
-    for kind in ["exact", "text", "restart"] {
-        metrics
-            .preempt_resumes_total
-            .with_label_values(&[class, kind]);
-    }
-    for source in ["computed", "cached"] {
-        metrics
-            .prompt_tokens_total
-            .with_label_values(&[class, source]);
-    }
-    for outcome in OUTCOMES {
-        metrics.requests_total.with_label_values(&[class, outcome]);
-    }
-    for reason in RejectReason::ALL {
-        metrics
-            .rejected_total
-            .with_label_values(&[class, reason.as_str()]);
-    }
-    for reason in [RejectReason::DeadlineExpired, RejectReason::ShuttingDown] {
-        metrics
-            .rejected_after_queueing_total
-            .with_label_values(&[class, reason.as_str()]);
-    }
-    for stage in STAGES {
-        metrics
-            .reaped_total
-            .with_label_values(&[class, stage.as_str()]);
-    }
-    for which in TIMEOUTS {
-        metrics
-            .timed_out_total
-            .with_label_values(&[class, which.as_str()]);
-    }
-    for kind in FAIL_KINDS {
-        metrics
-            .failed_total
-            .with_label_values(&[class, kind.as_str()]);
-    }
-    metrics.admitted_total.with_label_values(&[class]);
-    for histogram in [
+    for family in [
+        &metrics.preempt_pause_seconds,
+        &metrics.generation_tokens_per_second,
         &metrics.queue_wait_seconds,
         &metrics.ttft_seconds,
         &metrics.request_duration_seconds,
         &metrics.start_prediction_error_seconds,
     ] {
-        histogram.with_label_values(&[class]);
+        family.of(&by_class);
     }
+    for result in ["valid", "invalid"] {
+        metrics.jobs_total.of(&ClassResult { class, result });
+    }
+    for kind in ["prompt", "generated"] {
+        metrics.tokens_total.of(&ClassKind { class, kind });
+    }
+    for kind in ["exact", "text", "restart"] {
+        metrics.preempt_resumes_total.of(&ClassKind { class, kind });
+    }
+    for source in ["computed", "cached"] {
+        metrics.prompt_tokens_total.of(&ClassSource { class, source });
+    }
+    for outcome in OUTCOMES {
+        metrics.requests_total.of(&ClassOutcome { class, outcome });
+    }
+    for reason in RejectReason::ALL.map(RejectReason::as_str) {
+        metrics.rejected_total.of(&ClassReason { class, reason });
+    }
+    for reason in [RejectReason::DeadlineExpired, RejectReason::ShuttingDown] {
+        let reason = reason.as_str();
+        metrics
+            .rejected_after_queueing_total
+            .of(&ClassReason { class, reason });
+    }
+    for stage in STAGES.map(Stage::as_str) {
+        metrics.reaped_total.of(&ClassStage { class, stage });
+    }
+    for which in TIMEOUTS.map(Timeout::as_str) {
+        metrics.timed_out_total.of(&ClassWhich { class, which });
+    }
+    for kind in FAIL_KINDS.map(FailKind::as_str) {
+        metrics.failed_total.of(&ClassKind { class, kind });
+    }
+}
+
+/// What preemption cost a request: written with its outcome. (The stop itself is counted
+/// as it happens, `guard_preempted_total`, like an admission: operators watch it live.)
+#[derive(Debug, Default)]
+pub struct Preemptions {
+    /// How it went on ("exact", "text", "restart"), once it did.
+    pub kind: Option<&'static str>,
+    /// Each pause's length, for those that went on.
+    pub pauses: Vec<Duration>,
+    /// Tokens generated and thrown away (a restart from scratch).
+    pub regenerated: u64,
+    /// Prompt tokens the server read again to go on.
+    pub reread: u64,
+    /// Tokens the server read after a short job's state to keep it from the urgent request.
+    pub pad: u64,
+}
+
+/// A dispatched request as a job: its answer's counts and whether it is valid.
+pub struct Job<'a> {
+    /// Completed with the server's own end marker (and, where the class expects it, JSON).
+    pub valid: bool,
+    pub usage: &'a Usage,
+    /// The steady decode rate, as the server said or guard saw it.
+    pub tokens_per_second: Option<f64>,
+    pub preemptions: &'a Preemptions,
 }
 
 /// What the record needs besides the outcome.
@@ -231,9 +260,56 @@ pub struct Facts<'a> {
     /// Kernel (or user-space) clock of the client's departure, and of now, for reaps.
     pub gone_at: Option<Duration>,
     pub now_monotonic: Duration,
+    /// Of a dispatched request.
+    pub job: Option<Job<'a>>,
 }
 
 impl Outcome {
+    /// The outcome of a request whose client is told `error`, at `stage`; `model_label` names
+    /// a refused model within the metrics' bounded set.
+    pub fn of(error: &ProxyError, stage: Stage, model_label: impl FnOnce() -> String) -> Self {
+        match error {
+            ProxyError::Framing(_) => Self::Invalid(Invalid::Framing),
+            ProxyError::BodyRead(_) => Self::Invalid(Invalid::BodyRead),
+            ProxyError::UnknownClass(_) => Self::Invalid(Invalid::UnknownClass),
+            ProxyError::BadPath(_) => Self::Invalid(Invalid::BadPath),
+            ProxyError::BodyTooLarge { .. } => Self::Invalid(Invalid::BodyTooLarge),
+            ProxyError::Rejected { reason, .. } => Self::Rejected {
+                reason: *reason,
+                stage,
+            },
+            ProxyError::RemoteModel { class, .. } => Self::Refused {
+                class: class.clone(),
+                model: model_label(),
+            },
+            ProxyError::Upstream(UpstreamError::Timeout(_)) | ProxyError::UpstreamTimeout(_) => {
+                Self::Failed(FailKind::UpstreamTimeout)
+            }
+            ProxyError::Upstream(_) | ProxyError::Exchange(_) => {
+                Self::Failed(FailKind::UpstreamUnreachable)
+            }
+            // An answer that broke off, or could not go on: never passed off as whole.
+            ProxyError::UpstreamReset(_)
+            | ProxyError::Continuation(_)
+            | ProxyError::Diverged(_)
+            | ProxyError::UpstreamSaid(_)
+            | ProxyError::Truncated => Self::Failed(FailKind::UpstreamReset),
+            ProxyError::BodyReadTimeout { .. } => Self::TimedOut {
+                which: Timeout::BodyRead,
+                stage: Stage::Arrival,
+            },
+            ProxyError::TimedOut { which, .. } => Self::TimedOut {
+                which: *which,
+                stage,
+            },
+            // Connection-level refusals never reach a queued request.
+            ProxyError::TooManyConnections
+            | ProxyError::PassthroughFull { .. }
+            | ProxyError::MethodNotAllowed { .. }
+            | ProxyError::Internal => Self::Failed(FailKind::Internal),
+        }
+    }
+
     /// The `outcome` label of `guard_requests_total`; none for requests never classified.
     pub fn label(&self) -> Option<&'static str> {
         match self {
@@ -261,91 +337,117 @@ impl Outcome {
             } => invalid(metrics, "body_read_timeout"),
             Self::Refused { class, model } => metrics
                 .remote_refused_total
-                .with_label_values(&[class, model])
+                .of(&ClassModel { class, model })
                 .inc(),
             _ => {}
         }
-        let (Some(class), Some(label)) = (facts.class, self.label()) else {
+        let (Some(class), Some(outcome)) = (facts.class, self.label()) else {
             return;
         };
-        metrics
-            .requests_total
-            .with_label_values(&[class, label])
-            .inc();
+        metrics.requests_total.of(&ClassOutcome { class, outcome }).inc();
         timings(metrics, class, facts);
+        if let Some(job) = &facts.job {
+            record_job(metrics, class, job);
+        }
         match self {
             Self::Rejected { reason, stage } => {
                 let reason = reason.as_str();
-                metrics
-                    .rejected_total
-                    .with_label_values(&[class, reason])
-                    .inc();
+                metrics.rejected_total.of(&ClassReason { class, reason }).inc();
                 if *stage != Stage::Arrival {
                     metrics
                         .rejected_after_queueing_total
-                        .with_label_values(&[class, reason])
+                        .of(&ClassReason { class, reason })
                         .inc();
                 }
             }
             Self::Completed => duration(metrics, class, facts.elapsed),
             Self::Failed(kind) => {
-                metrics
-                    .failed_total
-                    .with_label_values(&[class, kind.as_str()])
-                    .inc();
+                let kind = kind.as_str();
+                metrics.failed_total.of(&ClassKind { class, kind }).inc();
                 duration(metrics, class, facts.elapsed);
             }
             Self::Reaped(stage) => reaped(metrics, class, *stage, facts),
-            Self::TimedOut { which, .. } => metrics
-                .timed_out_total
-                .with_label_values(&[class, which.as_str()])
-                .inc(),
+            Self::TimedOut { which, .. } => {
+                let which = which.as_str();
+                metrics.timed_out_total.of(&ClassWhich { class, which }).inc();
+            }
             Self::Invalid(_) | Self::Refused { .. } => {}
         }
     }
 }
 
-fn invalid(metrics: &Metrics, reason: &str) {
-    metrics
-        .invalid_requests_total
-        .with_label_values(&[reason])
-        .inc();
+/// A request refused before it had an owner (a bad path, framing, a method).
+pub fn invalid(metrics: &Metrics, reason: &str) {
+    metrics.invalid_requests_total.of(&Reason { reason }).inc();
+}
+
+/// A job's result, its tokens by the server's own count, its decode rate and what
+/// preemption cost it.
+fn record_job(metrics: &Metrics, class: &str, job: &Job<'_>) {
+    let result = if job.valid { "valid" } else { "invalid" };
+    metrics.jobs_total.of(&ClassResult { class, result }).inc();
+    let usage = job.usage;
+    for (kind, count) in [("prompt", usage.prompt), ("generated", usage.generated)] {
+        if let Some(count) = count {
+            metrics.tokens_total.of(&ClassKind { class, kind }).inc_by(count);
+        }
+    }
+    let read = [
+        ("computed", usage.prompt_computed),
+        ("cached", usage.prompt_cached),
+    ];
+    for (source, count) in read {
+        if let Some(count) = count {
+            let series = metrics.prompt_tokens_total.of(&ClassSource { class, source });
+            series.inc_by(count);
+        }
+    }
+    if let Some(rate) = job.tokens_per_second {
+        let series = metrics.generation_tokens_per_second.of(&Class { class });
+        series.observe(rate);
+    }
+    let paid = job.preemptions;
+    if let Some(kind) = paid.kind {
+        let series = metrics.preempt_resumes_total.of(&ClassKind { class, kind });
+        series.inc_by(paid.pauses.len() as u64);
+    }
+    for pause in &paid.pauses {
+        let series = metrics.preempt_pause_seconds.of(&Class { class });
+        series.observe(pause.as_secs_f64());
+    }
+    for (family, count) in [
+        (&metrics.preempt_regenerated_tokens_total, paid.regenerated),
+        (&metrics.preempt_reread_tokens_total, paid.reread),
+        (&metrics.preempt_pad_tokens_total, paid.pad),
+    ] {
+        family.of(&Class { class }).inc_by(count);
+    }
 }
 
 /// The request's histograms: queue wait, prediction error, time to first byte.
 fn timings(metrics: &Metrics, class: &str, facts: &Facts<'_>) {
+    let by_class = Class { class };
     if let Some(waited) = facts.queue_wait {
-        metrics
-            .queue_wait_seconds
-            .with_label_values(&[class])
-            .observe(waited.as_secs_f64());
+        let series = metrics.queue_wait_seconds.of(&by_class);
+        series.observe(waited.as_secs_f64());
     }
     if let Some(error) = facts.prediction_error {
-        metrics
-            .start_prediction_error_seconds
-            .with_label_values(&[class])
-            .observe(error);
+        let series = metrics.start_prediction_error_seconds.of(&by_class);
+        series.observe(error);
     }
     if let Some(ttft) = facts.ttft {
-        metrics
-            .ttft_seconds
-            .with_label_values(&[class])
-            .observe(ttft.as_secs_f64());
+        metrics.ttft_seconds.of(&by_class).observe(ttft.as_secs_f64());
     }
 }
 
 fn duration(metrics: &Metrics, class: &str, elapsed: Duration) {
-    metrics
-        .request_duration_seconds
-        .with_label_values(&[class])
-        .observe(elapsed.as_secs_f64());
+    let series = metrics.request_duration_seconds.of(&Class { class });
+    series.observe(elapsed.as_secs_f64());
 }
 
 fn reaped(metrics: &Metrics, class: &str, stage: Stage, facts: &Facts<'_>) {
-    metrics
-        .reaped_total
-        .with_label_values(&[class, stage.as_str()])
-        .inc();
+    let label = stage.as_str();
+    metrics.reaped_total.of(&ClassStage { class, stage: label }).inc();
     let latency = facts
         .gone_at
         .map(|gone_at| facts.now_monotonic.saturating_sub(gone_at));

@@ -80,9 +80,12 @@ pub(super) async fn handle(
         .into_response(shape),
     };
     proxy
+        .queued
         .metrics
         .passthrough_requests_total
-        .with_label_values(&[response.status().as_str()])
+        .of(&crate::metrics::labels::Code {
+            code: response.status().as_str(),
+        })
         .inc();
     response
 }

@@ -46,9 +46,10 @@ pub async fn serve(
 ) {
     let open = TaskTracker::new();
     let refused = proxy
+        .queued
         .metrics
         .connections_refused_total
-        .with_label_values(&["proxy"]);
+        .of(&crate::metrics::labels::Listener { listener: "proxy" });
     let mut acceptor = Acceptor::new(listeners, "proxy", proxy.max_connections, refused);
     loop {
         let arrival = tokio::select! {
@@ -66,12 +67,12 @@ pub async fn serve(
                 continue;
             }
         };
-        proxy.metrics.connections.inc();
+        proxy.queued.metrics.connections.inc();
         let _ = stream.set_nodelay(true);
-        let metrics = proxy.metrics.clone();
+        let metrics = proxy.queued.metrics.clone();
         // Without the kernel's events, watch the socket from user space. Duplicated here, at
         // accept: out of descriptors, accept itself pauses (and logs once a second).
-        let watched = match proxy.tracker {
+        let watched = match proxy.queued.tracker {
             Some(_) => None,
             None => userspace::duplicate(&stream)
                 .inspect_err(
@@ -236,7 +237,7 @@ async fn park<I: Parkable>(
     shutdown: &mut Option<watch::Receiver<bool>>,
 ) -> bool {
     // Counted while parked, however the wait ends (the client may leave meanwhile).
-    let _parked = Counted::new(&proxy.metrics.connections_parked);
+    let _parked = Counted::new(&proxy.queued.metrics.connections_parked);
     tokio::select! {
         biased;
         () = stopping(shutdown) => false,
@@ -341,7 +342,7 @@ impl Session<'_> {
     /// request at no cost (parking and coming back cost about a tenth of a small request).
     fn crowded(&self) -> bool {
         // Every open connection is parked or in hyper's hands.
-        let metrics = &self.proxy.metrics;
+        let metrics = &self.proxy.queued.metrics;
         let in_hyper = metrics.connections.get() - metrics.connections_parked.get();
         usize::try_from(in_hyper).is_ok_and(|n| n > self.proxy.ready_connections)
     }

@@ -6,6 +6,7 @@ pub mod risk;
 pub mod state;
 pub mod ttft;
 
+use crate::metrics::labels::{Class, ClassChange};
 use std::time::{Duration, Instant};
 
 use crate::{config::Config, metrics::Metrics};
@@ -145,11 +146,13 @@ impl Throttler {
         }
         // Every class, throttleable or not, shows as not held back from the start.
         for name in config.class.keys() {
-            metrics.class_throttled.with_label_values(&[name]).set(0);
+            metrics.class_throttled.of(&Class { class: name }).set(0);
             for (change, reason) in CHANGES {
+                let reason = reason.as_str();
+                let class = name;
                 metrics
                     .throttle_changes_total
-                    .with_label_values(&[name, change, reason.as_str()]);
+                    .of(&ClassChange { class, change, reason });
             }
         }
         Ok(Self {
@@ -238,14 +241,15 @@ const RETRY: Duration = Duration::from_secs(1);
 
 /// Counts a hold or release and sets the class's gauge.
 fn changed(metrics: &Metrics, class: &str, change: &str, reason: Reason) {
-    metrics
-        .throttle_changes_total
-        .with_label_values(&[class, change, reason.as_str()])
-        .inc();
-    metrics
-        .class_throttled
-        .with_label_values(&[class])
-        .set(i64::from(change == "hold"));
+    let reason = reason.as_str();
+    let changes = metrics.throttle_changes_total.of(&ClassChange {
+        class,
+        change,
+        reason,
+    });
+    changes.inc();
+    let held = metrics.class_throttled.of(&Class { class });
+    held.set(i64::from(change == "hold"));
 }
 
 /// Every (change, reason) pair that can happen, for series at zero.

@@ -3,6 +3,7 @@
 //! threshold (hysteresis), and guard lifts its holds only after every signal has been clear
 //! for `risk.hold_ms`.
 
+use crate::metrics::labels;
 use std::{
     collections::BTreeSet,
     sync::{Arc, Mutex},
@@ -205,7 +206,8 @@ pub struct Detector {
 /// Makes `guard_at_risk` exist at zero for every signal.
 pub fn init(metrics: &Metrics) {
     for signal in Signal::ALL {
-        metrics.at_risk.with_label_values(&[signal.as_str()]).set(0);
+        let reason = signal.as_str();
+        metrics.at_risk.of(&labels::Reason { reason }).set(0);
     }
 }
 
@@ -261,10 +263,9 @@ pub async fn run(mut configs: tokio::sync::watch::Receiver<Config>, detector: De
         };
         let on = evaluate(&inputs, &config.risk, &state.signals);
         for signal in Signal::ALL {
-            metrics
-                .at_risk
-                .with_label_values(&[signal.as_str()])
-                .set(i64::from(on.contains(&signal)));
+            let reason = signal.as_str();
+            let gauge = metrics.at_risk.of(&labels::Reason { reason });
+            gauge.set(i64::from(on.contains(&signal)));
         }
         view.set(&on);
         let reasons = on.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(",");

@@ -6,9 +6,13 @@
 //! tested without a GPU.
 
 use nvml_wrapper::{Nvml, enum_wrappers::device::TemperatureSensor, enums::device::UsedGpuMemory};
-use prometheus::{GaugeVec, IntGauge, Opts};
+use prometheus::IntGauge;
 
-use crate::metrics::Metrics;
+use crate::metrics::{
+    Family, Gauges, Metrics,
+    family::Labels,
+    labels::{ByGpu, ByGpuPid, ByGpuReason, Gpu, GpuPid, GpuReason},
+};
 
 /// One GPU, as read.
 #[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -63,55 +67,52 @@ pub struct GpuStatus {
 /// The exported GPU metrics.
 pub struct GpuMetrics {
     pub available: IntGauge,
-    memory_used: GaugeVec,
-    memory_total: GaugeVec,
-    utilization: GaugeVec,
-    power: GaugeVec,
-    energy: GaugeVec,
-    temperature: GaugeVec,
-    throttled: GaugeVec,
-    process_memory: GaugeVec,
+    memory_used: Gauges<ByGpu>,
+    memory_total: Gauges<ByGpu>,
+    utilization: Gauges<ByGpu>,
+    power: Gauges<ByGpu>,
+    energy: Gauges<ByGpu>,
+    temperature: Gauges<ByGpu>,
+    throttled: Gauges<ByGpuReason>,
+    process_memory: Gauges<ByGpuPid>,
 }
 
 impl GpuMetrics {
     pub fn new(metrics: &Metrics) -> Self {
-        let vec = |name: &str, help: &str, labels: &[&str]| {
-            let g = GaugeVec::new(Opts::new(name, help), labels).expect("valid gauge");
-            metrics.register(Box::new(g.clone()));
-            g
-        };
         let available = IntGauge::new(
             "guard_gpu_available",
             "1 where NVML reads at least one NVIDIA GPU.",
         )
         .expect("valid gauge");
         metrics.register(Box::new(available.clone()));
-        let gpu = &["gpu"];
+        let vec = |name: &str, help: &str| registered(metrics, Family::gauge(name, help));
         Self {
             available,
-            memory_used: vec("guard_gpu_memory_used_bytes", "GPU memory in use.", gpu),
-            memory_total: vec("guard_gpu_memory_total_bytes", "GPU memory in all.", gpu),
+            memory_used: vec("guard_gpu_memory_used_bytes", "GPU memory in use."),
+            memory_total: vec("guard_gpu_memory_total_bytes", "GPU memory in all."),
             utilization: vec(
                 "guard_gpu_utilization_ratio",
                 "Share of time the GPU was busy.",
-                gpu,
             ),
-            power: vec("guard_gpu_power_watts", "GPU power draw.", gpu),
+            power: vec("guard_gpu_power_watts", "GPU power draw."),
             energy: vec(
                 "guard_gpu_energy_joules",
                 "Energy the GPU has used since the driver loaded (a gauge: it restarts with the driver).",
-                gpu,
             ),
-            temperature: vec("guard_gpu_temperature_celsius", "GPU temperature.", gpu),
-            throttled: vec(
-                "guard_gpu_throttled",
-                "1 while NVML reports this clock throttle reason.",
-                &["gpu", "reason"],
+            temperature: vec("guard_gpu_temperature_celsius", "GPU temperature."),
+            throttled: registered(
+                metrics,
+                Family::gauge(
+                    "guard_gpu_throttled",
+                    "1 while NVML reports this clock throttle reason.",
+                ),
             ),
-            process_memory: vec(
-                "guard_gpu_process_memory_bytes",
-                "GPU memory held by a process (the inference server among them).",
-                &["gpu", "pid"],
+            process_memory: registered(
+                metrics,
+                Family::gauge(
+                    "guard_gpu_process_memory_bytes",
+                    "GPU memory held by a process (the inference server among them).",
+                ),
             ),
         }
     }
@@ -123,13 +124,9 @@ impl GpuMetrics {
         self.process_memory.reset();
         for gpu in &reading.gpus {
             let label = gpu.index.to_string();
-            let l = &[label.as_str()];
-            self.memory_used
-                .with_label_values(l)
-                .set(gpu.memory_used_bytes as f64);
-            self.memory_total
-                .with_label_values(l)
-                .set(gpu.memory_total_bytes as f64);
+            let of = Gpu { gpu: &label };
+            self.memory_used.of(&of).set(gpu.memory_used_bytes as f64);
+            self.memory_total.of(&of).set(gpu.memory_total_bytes as f64);
             let optional = [
                 (&self.utilization, gpu.utilization_ratio),
                 (&self.power, gpu.power_watts),
@@ -138,21 +135,26 @@ impl GpuMetrics {
             ];
             for (metric, value) in optional {
                 if let Some(value) = value {
-                    metric.with_label_values(l).set(value);
+                    metric.of(&of).set(value);
                 }
             }
             for reason in &gpu.throttle_reasons {
-                self.throttled
-                    .with_label_values(&[label.as_str(), reason])
-                    .set(1.0);
+                let of = GpuReason { gpu: &label, reason };
+                self.throttled.of(&of).set(1.0);
             }
             for (pid, bytes) in &gpu.processes {
-                self.process_memory
-                    .with_label_values(&[label.as_str(), &pid.to_string()])
-                    .set(*bytes as f64);
+                let pid = pid.to_string();
+                let of = GpuPid { gpu: &label, pid: &pid };
+                self.process_memory.of(&of).set(*bytes as f64);
             }
         }
     }
+}
+
+/// A family registered with guard's metrics.
+fn registered<L: Labels>(metrics: &Metrics, family: Gauges<L>) -> Gauges<L> {
+    metrics.register(family.collector());
+    family
 }
 
 pub struct GpuWatcher {

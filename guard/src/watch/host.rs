@@ -4,9 +4,12 @@
 use std::time::Instant;
 
 use procfs::Current as _;
-use prometheus::{Gauge, GaugeVec, IntGauge, Opts};
+use prometheus::{Gauge, IntGauge};
 
-use crate::{config::Config, metrics::Metrics};
+use crate::{
+    config::Config,
+    metrics::{Family, Gauges, Metrics, labels::{ByResource, Resource}},
+};
 
 /// One sample; `None` where the kernel does not offer the reading.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
@@ -27,8 +30,8 @@ pub struct HostWatcher {
     swap_total: IntGauge,
     swap_in: Gauge,
     swap_out: Gauge,
-    pressure_waiting: GaugeVec,
-    pressure_stalled: GaugeVec,
+    pressure_waiting: Gauges<ByResource>,
+    pressure_stalled: Gauges<ByResource>,
     psi_available: IntGauge,
     upstream_rss: IntGauge,
     upstream_threads: IntGauge,
@@ -53,8 +56,8 @@ impl HostWatcher {
             g
         };
         let gauge_vec = |name: &str, help: &str| {
-            let g = GaugeVec::new(Opts::new(name, help), &["resource"]).expect("valid gauge");
-            metrics.register(Box::new(g.clone()));
+            let g = Family::gauge(name, help);
+            metrics.register(g.collector());
             g
         };
         let upstream_cpu = prometheus::Counter::new(
@@ -151,13 +154,10 @@ impl HostWatcher {
             return;
         }
         let set = |resource: &str, some: f32, full: Option<f32>| {
-            self.pressure_waiting
-                .with_label_values(&[resource])
-                .set(f64::from(some) / 100.0);
+            let of = Resource { resource };
+            self.pressure_waiting.of(&of).set(f64::from(some) / 100.0);
             if let Some(full) = full {
-                self.pressure_stalled
-                    .with_label_values(&[resource])
-                    .set(f64::from(full) / 100.0);
+                self.pressure_stalled.of(&of).set(f64::from(full) / 100.0);
             }
         };
         if let Ok(cpu) = cpu {

@@ -7,12 +7,15 @@ use std::{collections::HashMap, sync::RwLock};
 use bytes::Bytes;
 use http::{Method, Request};
 use http_body_util::BodyExt as _;
-use prometheus::{GaugeVec, IntCounterVec, IntGauge, Opts};
+use prometheus::IntGauge;
 use serde::de::DeserializeOwned;
 
 use crate::{
     config::{Api, Config},
-    metrics::Metrics,
+    metrics::{
+        Counters, Family, Gauges, Metrics,
+        labels::{ByModel, Model},
+    },
     upstream::{
         Client,
         api::{self, llama, ollama, openai},
@@ -119,19 +122,19 @@ pub struct UpstreamWatcher {
     /// guard's own requests running at the upstream now (the scheduler's count).
     running: RunningFn,
     up: IntGauge,
-    offload: GaugeVec,
-    remote: GaugeVec,
+    offload: Gauges<ByModel>,
+    remote: Gauges<ByModel>,
     busy: IntGauge,
     deferred: IntGauge,
     /// The proxy counts cold loads; the watcher starts each model it sees at 0.
-    cold_loads: IntCounterVec,
+    cold_loads: Counters<ByModel>,
 }
 
 impl UpstreamWatcher {
     pub fn new(metrics: &Metrics, config: &Config, upstream: Client, running: RunningFn) -> Self {
         let gauge_vec = |name: &str, help: &str| {
-            let g = GaugeVec::new(Opts::new(name, help), &["model"]).expect("valid gauge");
-            metrics.register(Box::new(g.clone()));
+            let g = Family::gauge(name, help);
+            metrics.register(g.collector());
             g
         };
         let gauge = |name: &str, help: &str| {
@@ -185,9 +188,8 @@ impl UpstreamWatcher {
         let loaded: Vec<LoadedModel> = ps.models.iter().map(LoadedModel::from).collect();
         self.offload.reset();
         for model in &loaded {
-            self.offload
-                .with_label_values(&[&model.name])
-                .set(model.cpu_offload_ratio);
+            let model_label = Model { model: &model.name };
+            self.offload.of(&model_label).set(model.cpu_offload_ratio);
         }
         if let Some(tags) = self
             .json::<ollama::Tags>(Method::GET, "/api/tags", None)
@@ -210,10 +212,9 @@ impl UpstreamWatcher {
         if !remote_models.known(model) {
             return;
         }
-        self.remote
-            .with_label_values(&[model])
-            .set(f64::from(u8::from(remote_models.is_remote(model))));
-        self.cold_loads.with_label_values(&[model]);
+        let remote = f64::from(u8::from(remote_models.is_remote(model)));
+        self.remote.of(&Model { model }).set(remote);
+        self.cold_loads.of(&Model { model });
     }
 
     /// Asks Ollama once where a model it lists runs.

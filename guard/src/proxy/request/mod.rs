@@ -8,28 +8,63 @@
 
 mod phases;
 mod preempt;
+mod reading;
 mod relay;
 mod tracked;
 
-use std::{sync::Arc, time::Duration};
+use std::{hash::RandomState, sync::Arc, time::Duration};
 
 use http::{HeaderValue, Request, Response};
 use tokio::{sync::oneshot, time::Instant};
 
 use super::{
-    Proxy, Settings,
+    Settings,
+    budget::BodyBudget,
     error::{ErrorShape, ProxyError},
     error_shape,
-    outcome::{Facts, FailKind, Outcome, Stage, Timeout},
+    outcome::{Facts, Job, Outcome, Preemptions, Stage, Timeout},
+    resumes::ResumeKinds,
+    throughput::Throughput,
 };
 use crate::{
+    classify::Tally,
     config::ClassTimeouts,
+    metrics::Metrics,
     proxy::budget::Held,
     proxy::park::Inbound,
-    queue::Permit,
-    reap::{event::monotonic_now, registry::Connection},
-    upstream::{Body, asks::Asks, exchange::Exchange, resume::Endpoint, usage::Usage},
+    queue::{Permit, Scheduler},
+    reap::{EbpfTracker, event::monotonic_now, registry::Connection},
+    throttle::ttft::TtftWindow,
+    upstream::{
+        Body, Client, asks::Asks,
+        exchange::{Connector, Exchange},
+        resume::Endpoint,
+        usage::Usage,
+    },
+    watch::Watched,
 };
+
+/// What every queued request shares with the others: the way upstream, the line it waits in,
+/// and the places what happens to it is counted. The proxy builds it; a request reads it.
+pub(in crate::proxy) struct Shared {
+    /// guard's own small requests (exact resumes, `/slots`).
+    pub upstream: Client,
+    /// Each queued request's exchange has a connection of its own.
+    pub connector: Arc<Connector>,
+    pub response_timeout: Duration,
+    pub metrics: Metrics,
+    pub scheduler: Arc<Scheduler>,
+    pub tracker: Option<Arc<EbpfTracker>>,
+    pub budget: Arc<BodyBudget>,
+    pub remote_models: Arc<Watched>,
+    /// Where first-byte times go for the risk detector.
+    pub ttft: Arc<TtftWindow>,
+    pub tally: Arc<Tally>,
+    pub throughput: Arc<Throughput>,
+    pub resume_kinds: Arc<ResumeKinds>,
+    /// Hashes flow keys (`fair_by`) with a key of this process's own.
+    pub flow_keys: RandomState,
+}
 
 /// What guard reads from a body: its model and the output tokens it asks for.
 pub(super) fn read_asks(body: &[u8]) -> (Option<String>, Option<u64>) {
@@ -40,39 +75,66 @@ pub(super) fn read_asks(body: &[u8]) -> (Option<String>, Option<u64>) {
 
 /// Serves one request to a queued endpoint: its owner runs on a task of its own.
 pub(super) async fn handle(
-    proxy: Arc<Proxy>,
+    shared: Arc<Shared>,
     settings: Arc<Settings>,
     request: Request<Inbound>,
     connection: &Arc<Connection>,
 ) -> Response<Body> {
     let shape = error_shape(request.uri().path(), settings.api);
     let (respond, response) = oneshot::channel();
-    let owner = QueuedRequest::new(proxy, settings, Arc::clone(connection), shape, respond);
+    let owner = QueuedRequest::new(shared, settings, Arc::clone(connection), shape, respond);
     tokio::spawn(owner.run(request));
     response
         .await
         .unwrap_or_else(|_| ProxyError::Internal.into_response(shape))
 }
 
-/// How a request ends: its outcome, and the answer its client gets if no response has begun.
-pub(super) struct Ending {
-    outcome: Outcome,
-    answer: Option<ProxyError>,
+/// How a request ends. Its outcome follows from what the client is told, so the two cannot
+/// disagree.
+pub(super) enum Ending {
+    /// Nobody is told: the client has left, or its answer has begun and ends as
+    /// `Relay::finish` says for the outcome, or went whole.
+    Quiet(Outcome),
+    /// The client is told this error: as its answer if none has begun, else in its stream
+    /// where the format has a way to say it.
+    Told(ProxyError),
 }
 
-impl Ending {
-    fn new(outcome: Outcome, answer: ProxyError) -> Self {
-        Self {
-            outcome,
-            answer: Some(answer),
+/// The way back to the client: the response head goes once, then the answer's frames.
+enum Reply {
+    /// Until the response head goes to hyper.
+    Waiting(oneshot::Sender<Response<Body>>),
+    /// After it, for an answer that follows frame by frame.
+    Open(relay::Relay),
+    /// The whole answer went, or hyper let go of the head (the client left).
+    Sent,
+}
+
+impl Reply {
+    /// Sends a whole response; false if nobody is listening any more (the client left).
+    fn send(&mut self, response: Response<Body>) -> bool {
+        match std::mem::replace(self, Self::Sent) {
+            Self::Waiting(respond) => respond.send(response).is_ok(),
+            other => {
+                *self = other;
+                false
+            }
         }
     }
 
-    /// An ending nobody is told of: the client has left, or its response has begun.
-    fn quiet(outcome: Outcome) -> Self {
-        Self {
-            outcome,
-            answer: None,
+    /// Sends a response head whose frames follow through `relay`.
+    fn open(&mut self, response: Response<Body>, relay: relay::Relay) -> bool {
+        let sent = self.send(response);
+        if sent {
+            *self = Self::Open(relay);
+        }
+        sent
+    }
+
+    fn feed(&self) -> Option<&super::client_body::Feed> {
+        match self {
+            Self::Open(relay) => Some(relay.feed()),
+            Self::Waiting(_) | Self::Sent => None,
         }
     }
 }
@@ -107,33 +169,65 @@ impl Watch {
     }
 }
 
+/// Where a request is on its way, holding only what is true there.
+enum Place {
+    /// Not admitted to a queue yet: its body is read, it is classified.
+    Arrival,
+    /// In its class's queue: first, or again after a preemption.
+    Queued,
+    /// Its turn came: it holds a slot upstream until its exchange is over.
+    Running(Permit),
+}
+
+impl Place {
+    fn stage(&self) -> Stage {
+        match self {
+            Self::Arrival => Stage::Arrival,
+            Self::Queued => Stage::Queued,
+            Self::Running(_) => Stage::Running,
+        }
+    }
+
+    /// Gives its slot back: a running request is queued again (or about to end).
+    fn give_back(&mut self) -> Option<Permit> {
+        match std::mem::replace(self, Self::Queued) {
+            Self::Running(permit) => Some(permit),
+            other => {
+                *self = other;
+                None
+            }
+        }
+    }
+
+    fn permit(&self) -> Option<&Permit> {
+        match self {
+            Self::Running(permit) => Some(permit),
+            Self::Arrival | Self::Queued => None,
+        }
+    }
+}
+
 pub(super) struct QueuedRequest {
-    proxy: Arc<Proxy>,
+    shared: Arc<Shared>,
     settings: Arc<Settings>,
     connection: Arc<Connection>,
     arrived: Instant,
     shape: ErrorShape,
-    /// Set once classified.
+    /// The class the head points to until the body is read, then the class.
     class: Option<String>,
     timeouts: ClassTimeouts,
-    stage: Stage,
-    /// Held from dispatch until the upstream exchange is over.
-    permit: Option<Permit>,
+    place: Place,
     /// The body's share of `server.max_body_bytes_in_flight`, until the body has gone upstream.
     held: Option<Held>,
     /// The whole body has been read (else the connection cannot carry another request).
     body_read: bool,
     exchange: Option<Exchange>,
-    /// Until the response head has gone to hyper.
-    respond: Option<oneshot::Sender<Response<Body>>>,
-    /// After it: the way the answer's frames and end go to the client.
-    relay: Option<relay::Relay>,
+    reply: Reply,
     model: Option<String>,
     /// On arrival, when guard predicted the request would start.
     predicted: Duration,
-    /// Its turn came (it holds or held a permit); `waited` is then arrival to dispatch.
-    dispatched: bool,
-    waited: Duration,
+    /// Arrival to its first turn, once it came.
+    waited: Option<Duration>,
     ttft: Option<Duration>,
     /// What the answer said of its tokens and its end, once it has ended.
     usage: Option<Usage>,
@@ -141,12 +235,14 @@ pub(super) struct QueuedRequest {
     endpoint: Option<Endpoint>,
     /// Whether the answer's text parsed as JSON (read only for classes that expect it).
     answer_is_json: Option<bool>,
+    /// What preemption cost it so far.
+    preemptions: Preemptions,
     concluded: bool,
 }
 
 impl QueuedRequest {
     fn new(
-        proxy: Arc<Proxy>,
+        shared: Arc<Shared>,
         settings: Arc<Settings>,
         connection: Arc<Connection>,
         shape: ErrorShape,
@@ -154,28 +250,26 @@ impl QueuedRequest {
     ) -> Self {
         let timeouts = settings.timeouts(&settings.default_class);
         Self {
-            proxy,
+            shared,
             settings,
             connection,
             arrived: Instant::now(),
             shape,
             class: None,
             timeouts,
-            stage: Stage::Arrival,
-            permit: None,
+            place: Place::Arrival,
             held: None,
             body_read: false,
             exchange: None,
-            respond: Some(respond),
-            relay: None,
+            reply: Reply::Waiting(respond),
             model: None,
             predicted: Duration::ZERO,
-            dispatched: false,
-            waited: Duration::ZERO,
+            waited: None,
             ttft: None,
             usage: None,
             endpoint: None,
             answer_is_json: None,
+            preemptions: Preemptions::default(),
             concluded: false,
         }
     }
@@ -194,23 +288,29 @@ impl QueuedRequest {
     }
 
     fn finish(&mut self, ending: Ending) {
-        let Ending { outcome, answer } = ending;
+        let stage = self.place.stage();
+        let (outcome, answer) = match ending {
+            Ending::Quiet(outcome) => (outcome, None),
+            Ending::Told(error) => {
+                let label = || self.model_label();
+                (Outcome::of(&error, stage, label), Some(error))
+            }
+        };
         // The pace guard saw, for servers that do not say their own decode rate.
-        let pace = self.permit.as_ref().and_then(|p| p.progress().pace());
+        let pace = self.place.permit().and_then(|p| p.progress().pace());
         self.free_upstream(outcome == Outcome::Completed);
-        self.record_job(&outcome, pace.map(|(_, per_token)| per_token));
         self.tell_client(&outcome, answer);
         let elapsed = self.arrived.elapsed();
-        let queue_wait = match (self.stage, self.dispatched) {
-            (Stage::Arrival, _) => None,
-            (_, true) => Some(self.waited),
-            (_, false) => Some(elapsed),
+        let queue_wait = match stage {
+            Stage::Arrival => None,
+            _ => Some(self.waited.unwrap_or(elapsed)),
         };
         let prediction_error = self
-            .dispatched
-            .then_some(self.waited.as_secs_f64() - self.predicted.as_secs_f64());
+            .waited
+            .map(|waited| waited.as_secs_f64() - self.predicted.as_secs_f64());
+        let usage = self.usage.unwrap_or_default();
         outcome.record(
-            &self.proxy.metrics,
+            &self.shared.metrics,
             &Facts {
                 peer: self.connection.peer,
                 class: self.class.as_deref(),
@@ -220,25 +320,27 @@ impl QueuedRequest {
                 ttft: self.ttft,
                 gone_at: self.connection.gone_at(),
                 now_monotonic: monotonic_now(),
+                job: self.job(&outcome, pace.map(|(_, per_token)| per_token), &usage),
             },
         );
     }
 
-    /// Counts a dispatched request as a job, valid when it completed with the server's own end
-    /// marker, with the tokens the server said it took and its decode rate.
-    fn record_job(&self, outcome: &Outcome, per_token: Option<Duration>) {
-        let (Some(class), true) = (self.class.as_deref(), self.dispatched) else {
-            return;
+    /// The request's model as the metrics name it (a bounded set).
+    fn model_label(&self) -> String {
+        let model = self.model.as_deref().unwrap_or_default();
+        self.shared.remote_models.model_label(model).to_owned()
+    }
+
+    /// A dispatched request as a job, valid when it completed with the server's own end
+    /// marker (and JSON where its class expects it); its hour's counts go to the throughput.
+    fn job<'a>(&'a self, outcome: &Outcome, per_token: Option<Duration>, usage: &'a Usage) -> Option<Job<'a>> {
+        let (Some(class), Some(_)) = (self.class.as_deref(), self.waited) else {
+            return None;
         };
-        let metrics = &self.proxy.metrics;
-        let usage = self.usage.unwrap_or_default();
-        // A class that expects JSON counts only answers whose text parses as JSON.
         let shaped =
             !self.settings.expect_json.contains(class) || self.answer_is_json == Some(true);
         let valid = *outcome == Outcome::Completed && usage.ended && shaped;
-        let result = if valid { "valid" } else { "invalid" };
-        metrics.jobs_total.with_label_values(&[class, result]).inc();
-        self.proxy.throughput.record(
+        self.shared.throughput.record(
             class,
             crate::proxy::Hourly {
                 valid_jobs: u64::from(valid),
@@ -247,35 +349,15 @@ impl QueuedRequest {
                 generated_tokens: usage.generated.unwrap_or(0),
             },
         );
-        for (kind, count) in [("prompt", usage.prompt), ("generated", usage.generated)] {
-            if let Some(count) = count {
-                metrics
-                    .tokens_total
-                    .with_label_values(&[class, kind])
-                    .inc_by(count);
-            }
-        }
-        let read = [
-            ("computed", usage.prompt_computed),
-            ("cached", usage.prompt_cached),
-        ];
-        for (source, count) in read {
-            if let Some(count) = count {
-                metrics
-                    .prompt_tokens_total
-                    .with_label_values(&[class, source])
-                    .inc_by(count);
-            }
-        }
         let measured = per_token
             .filter(|t| !t.is_zero())
             .map(|t| 1.0 / t.as_secs_f64());
-        if let Some(rate) = usage.decode_per_second.or(measured) {
-            metrics
-                .generation_tokens_per_second
-                .with_label_values(&[class])
-                .observe(rate);
-        }
+        Some(Job {
+            valid,
+            usage,
+            tokens_per_second: usage.decode_per_second.or(measured),
+            preemptions: &self.preemptions,
+        })
     }
 
     /// Answers the client, or ends the answer it is getting, as the outcome calls for.
@@ -288,22 +370,24 @@ impl QueuedRequest {
             // It does not read: nothing more can reach it. Close its connection.
             self.connection.end();
         }
-        if let Some(relay) = self.relay.take() {
-            relay.finish(outcome, answer.as_ref());
-        } else if let Some(respond) = self.respond.take() {
-            let mut response = self.answer(answer.unwrap_or(ProxyError::Internal));
-            if !self.body_read {
-                // The rest of the body is still coming: the connection closes after this
-                // answer, reading (and dropping) what the client sends meanwhile, so that the
-                // client sees the answer rather than a reset.
-                response.headers_mut().insert(
-                    http::header::CONNECTION,
-                    http::HeaderValue::from_static("close"),
-                );
-                self.connection.linger();
+        match std::mem::replace(&mut self.reply, Reply::Sent) {
+            Reply::Open(relay) => relay.finish(outcome, answer.as_ref()),
+            Reply::Waiting(respond) => {
+                let mut response = self.answer(answer.unwrap_or(ProxyError::Internal));
+                if !self.body_read {
+                    // The rest of the body is still coming: the connection closes after this
+                    // answer, reading (and dropping) what the client sends meanwhile, so that
+                    // the client sees the answer rather than a reset.
+                    response.headers_mut().insert(
+                        http::header::CONNECTION,
+                        http::HeaderValue::from_static("close"),
+                    );
+                    self.connection.linger();
+                }
+                // Nobody may be listening any more (the client left): that is fine.
+                let _ = respond.send(response);
             }
-            // Nobody may be listening any more (the client left): that is fine.
-            let _ = respond.send(response);
+            Reply::Sent => {}
         }
     }
 
@@ -312,7 +396,7 @@ impl QueuedRequest {
     fn free_upstream(&mut self, completed: bool) {
         self.held = None;
         self.exchange = None;
-        if let Some(permit) = self.permit.take() {
+        if let Some(permit) = self.place.give_back() {
             if completed {
                 let usage = self.usage.unwrap_or_default();
                 permit.complete(usage.generated, usage.decode_per_second);
@@ -336,14 +420,8 @@ impl QueuedRequest {
     /// The ending for an interrupt at the current stage.
     fn interrupted(&self, interrupt: Interrupt) -> Ending {
         match interrupt {
-            Interrupt::ClientGone => Ending::quiet(Outcome::Reaped(self.stage)),
-            Interrupt::MaxDuration => Ending::new(
-                Outcome::TimedOut {
-                    which: Timeout::MaxDuration,
-                    stage: self.stage,
-                },
-                self.timed_out(Timeout::MaxDuration),
-            ),
+            Interrupt::ClientGone => Ending::Quiet(Outcome::Reaped(self.place.stage())),
+            Interrupt::MaxDuration => Ending::Told(self.timed_out(Timeout::MaxDuration)),
         }
     }
 
@@ -373,10 +451,7 @@ impl QueuedRequest {
 
     /// Adds `X-Guard-Class` and `X-Guard-Queue-Ms` (the time the request waited in guard).
     fn tag<B>(&self, mut response: Response<B>) -> Response<B> {
-        let waited = match self.dispatched {
-            true => self.waited,
-            false => self.arrived.elapsed(),
-        };
+        let waited = self.waited.unwrap_or_else(|| self.arrived.elapsed());
         let headers = response.headers_mut();
         if let Some(value) = self
             .class
@@ -402,10 +477,7 @@ impl Drop for QueuedRequest {
     /// shutting down, or a bug). The request still ends once, as failed.
     fn drop(&mut self) {
         if !self.concluded {
-            self.finish(Ending::new(
-                Outcome::Failed(FailKind::Internal),
-                ProxyError::Internal,
-            ));
+            self.finish(Ending::Told(ProxyError::Internal));
         }
     }
 }

@@ -9,18 +9,18 @@ use http::{Request, request};
 use http_body_util::BodyExt as _;
 
 use super::{
-    Ending, QueuedRequest,
+    Ending, Place, QueuedRequest, Shared,
     tracked::{Engine, ExactRun, Tracked},
 };
 use crate::{
     classify::RequestFacts,
+    metrics::labels::Class,
     config::{Api, FairBy, Preemptible},
-    proxy::Proxy,
     proxy::park::Inbound,
     proxy::{
         budget::Held,
         error::ProxyError,
-        outcome::{FailKind, Invalid, Outcome, Stage, Timeout},
+        outcome::{Outcome, Stage},
     },
     queue::{Job, RejectReason, Ticket},
     quote::quote,
@@ -91,16 +91,13 @@ fn detach(mut head: request::Parts) -> request::Parts {
 }
 
 /// The client's process, looked up once per connection (the eBPF record, else /proc).
-fn client_process(proxy: &Proxy, connection: &Connection) -> Option<Arc<Peer>> {
-    let tracker = proxy.tracker.as_deref();
+fn client_process(shared: &Shared, connection: &Connection) -> Option<Arc<Peer>> {
+    let tracker = shared.tracker.as_deref();
     connection.process(|| peer_of(tracker, connection.peer, connection.local))
 }
 
 fn too_large(limit: u64) -> Ending {
-    Ending::new(
-        Outcome::Invalid(Invalid::BodyTooLarge),
-        ProxyError::BodyTooLarge { limit },
-    )
+    Ending::Told(ProxyError::BodyTooLarge { limit })
 }
 
 impl QueuedRequest {
@@ -116,7 +113,7 @@ impl QueuedRequest {
         let asks = Asks::read(&bytes);
         let class = self
             .decide(&head, asks.model.as_deref(), true)
-            .map_err(|err| Ending::new(Outcome::Invalid(Invalid::UnknownClass), err))?;
+            .map_err(Ending::Told)?;
         self.timeouts = self.settings.timeouts(&class);
         self.class = Some(class.clone());
         self.model.clone_from(&asks.model);
@@ -130,7 +127,7 @@ impl QueuedRequest {
                 let preemptible = self.settings.preemptible.get(&class);
                 if self.endpoint.is_some() && preemptible.is_some_and(|p| *p != Preemptible::No) {
                     // A generation its preemptible class cannot stop (a constrained answer).
-                    self.proxy.resume_kinds.saw(&class, ResumeKind::Off);
+                    self.shared.resume_kinds.saw(&class, ResumeKind::Off);
                 }
                 None
             }
@@ -154,7 +151,7 @@ impl QueuedRequest {
             return Ok(Box::pin(self.run_tracked(tracked, &head)).await);
         }
         let (exchange, response) = Box::pin(self.forward(&head, bytes)).await?;
-        Ok(Box::pin(self.relay(exchange, response)).await)
+        Ok(Box::pin(self.relay(exchange, response, None, &head)).await)
     }
 
     /// The key of the request's flow in its class (`fair_by`); 0 (the shared flow) where the
@@ -163,7 +160,7 @@ impl QueuedRequest {
         let Some(by) = self.settings.fair_by.get(class) else {
             return 0;
         };
-        let peer = || client_process(&self.proxy, &self.connection);
+        let peer = || client_process(&self.shared, &self.connection);
         let client = self.connection.peer;
         let key = match by {
             FairBy::Uid => peer().and_then(|p| p.uid).map(|uid| uid.to_string()),
@@ -179,7 +176,7 @@ impl QueuedRequest {
                 .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()),
         };
         // Keys are hashed with a per-process key: nothing a client sends is kept.
-        key.map_or(0, |key| self.proxy.flow_keys.hash_one(key).max(1))
+        key.map_or(0, |key| self.shared.flow_keys.hash_one(key).max(1))
     }
 
     /// How a request of a preemptible class would go on after a preemption, where it can; and
@@ -207,7 +204,7 @@ impl QueuedRequest {
         let exact = match self.settings.api == Api::Openai && plan.may_run_exactly() {
             true => {
                 let body = plan.body();
-                let upstream = &self.proxy.upstream;
+                let upstream = &self.shared.upstream;
                 match Exact::prepare(upstream, &head.headers, plan.endpoint, &body).await {
                     Ok(exact) => Some((exact, body)),
                     Err(err) => {
@@ -225,7 +222,7 @@ impl QueuedRequest {
                 (None, false, Continuation::Resume) => ResumeKind::Text,
                 (None, false, Continuation::Restart) => ResumeKind::Restart,
             };
-            self.proxy.resume_kinds.saw(class, kind);
+            self.shared.resume_kinds.saw(class, kind);
         }
         match exact {
             Some((mut exact, body)) => {
@@ -252,7 +249,7 @@ impl QueuedRequest {
             return Err(too_large(limit));
         }
         let mut held = self
-            .proxy
+            .shared
             .budget
             .reserve(declared.unwrap_or(0))
             .ok_or_else(|| self.body_bytes_full())?;
@@ -266,35 +263,20 @@ impl QueuedRequest {
             }
             Ok(Err(BodyError::TooLarge)) => Err(too_large(limit)),
             Ok(Err(BodyError::BudgetFull)) => Err(self.body_bytes_full()),
-            Ok(Err(BodyError::Read(err))) => Err(Ending::new(
-                Outcome::Invalid(Invalid::BodyRead),
-                ProxyError::BodyRead(err),
-            )),
-            Err(_) => Err(Ending::new(
-                Outcome::TimedOut {
-                    which: Timeout::BodyRead,
-                    stage: Stage::Arrival,
-                },
-                ProxyError::BodyReadTimeout {
+            Ok(Err(BodyError::Read(err))) => Err(Ending::Told(ProxyError::BodyRead(err))),
+            Err(_) => Err(Ending::Told(ProxyError::BodyReadTimeout {
                     limit: self.timeouts.body_read,
-                },
-            )),
+                })),
         }
     }
 
     fn body_bytes_full(&self) -> Ending {
         let reason = RejectReason::BodyBytesFull;
-        Ending::new(
-            Outcome::Rejected {
-                reason,
-                stage: Stage::Arrival,
-            },
-            ProxyError::Rejected {
+        Ending::Told(ProxyError::Rejected {
                 class: self.class.clone().unwrap_or_default(),
                 reason,
                 retry_after: std::time::Duration::from_secs(1),
-            },
-        )
+            })
     }
 
     /// Refuses a model served elsewhere where the class may not ask for one: the private
@@ -304,20 +286,14 @@ impl QueuedRequest {
             return Ok(());
         };
         if self.settings.remote_allowed.contains(class)
-            || !self.proxy.remote_models.remote_models.is_remote(model)
+            || !self.shared.remote_models.remote_models.is_remote(model)
         {
             return Ok(());
         }
-        Err(Ending::new(
-            Outcome::Refused {
-                class: class.to_owned(),
-                model: self.proxy.remote_models.model_label(model).to_owned(),
-            },
-            ProxyError::RemoteModel {
+        Err(Ending::Told(ProxyError::RemoteModel {
                 class: class.to_owned(),
                 model: quote(model),
-            },
-        ))
+            }))
     }
 
     /// The class of this request; `last` is the final decision, which the tally counts.
@@ -327,7 +303,7 @@ impl QueuedRequest {
         model: Option<&str>,
         last: bool,
     ) -> Result<String, ProxyError> {
-        let (proxy, connection) = (&*self.proxy, &*self.connection);
+        let (proxy, connection) = (&*self.shared, &*self.connection);
         let peer = || client_process(proxy, connection);
         let classifier = &self.settings.classifier;
         let decision = classifier.classify(&RequestFacts {
@@ -339,37 +315,28 @@ impl QueuedRequest {
         })?;
         tracing::trace!(class = decision.class, by = %decision.by, "classified");
         if last {
-            self.proxy.tally.record(classifier, &decision);
+            self.shared.tally.record(classifier, &decision);
         }
         Ok(decision.class)
     }
 
     fn admit(&mut self, job: Job) -> Phase<Ticket> {
         let class = job.class.clone();
-        match self.proxy.scheduler.enqueue(job) {
+        match self.shared.scheduler.enqueue(job) {
             Ok(ticket) => {
                 self.predicted = ticket.predicted();
                 // Counted at once, so that admitted = outcomes + in flight + queued at every
                 // moment; every outcome is counted by `conclude`.
-                self.proxy
-                    .metrics
-                    .admitted_total
-                    .with_label_values(&[&class])
-                    .inc();
-                self.stage = Stage::Queued;
+                let admitted = self.shared.metrics.admitted_total.of(&Class { class: &class });
+                admitted.inc();
+                self.place = Place::Queued;
                 Ok(ticket)
             }
-            Err(rejection) => Err(Ending::new(
-                Outcome::Rejected {
-                    reason: rejection.reason,
-                    stage: Stage::Arrival,
-                },
-                ProxyError::Rejected {
+            Err(rejection) => Err(Ending::Told(ProxyError::Rejected {
                     class,
                     reason: rejection.reason,
                     retry_after: rejection.retry_after,
-                },
-            )),
+                })),
         }
     }
 
@@ -383,28 +350,22 @@ impl QueuedRequest {
         };
         match granted {
             Ok(permit) => {
-                self.waited = permit.waited();
+                let waited = permit.waited();
+                self.waited = Some(waited);
                 tracing::debug!(
                     class = self.class.as_deref().unwrap_or_default(),
                     predicted_ms = self.predicted.as_millis() as u64,
-                    waited_ms = self.waited.as_millis() as u64,
+                    waited_ms = waited.as_millis() as u64,
                     "dispatched"
                 );
-                self.permit = Some(permit);
-                self.dispatched = true;
+                self.place = Place::Running(permit);
                 Ok(())
             }
-            Err(rejection) => Err(Ending::new(
-                Outcome::Rejected {
-                    reason: rejection.reason,
-                    stage: Stage::Queued,
-                },
-                ProxyError::Rejected {
+            Err(rejection) => Err(Ending::Told(ProxyError::Rejected {
                     class: self.class.clone().unwrap_or_default(),
                     reason: rejection.reason,
                     retry_after: rejection.retry_after,
-                },
-            )),
+                })),
         }
     }
 
@@ -417,21 +378,20 @@ impl QueuedRequest {
         // A turn that came as its client left (a burst of departures hands permits along)
         // never reached the upstream: it leaves as reaped while queued.
         if self.connection.is_gone() {
-            return Err(self.interrupted(super::Interrupt::ClientGone));
+            return Err(Ending::Quiet(Outcome::Reaped(Stage::Queued)));
         }
-        self.stage = Stage::Running;
         let request = self
-            .proxy
+            .shared
             .upstream
             .for_exchange(head, body)
             .map_err(|err| {
-                Ending::new(Outcome::Failed(FailKind::UpstreamUnreachable), err.into())
+                Ending::Told(err.into())
             })?;
         let watch = self.watch();
-        let response_timeout = self.proxy.response_timeout;
+        let response_timeout = self.shared.response_timeout;
         let starting = tokio::time::timeout(
             response_timeout,
-            Exchange::start(&self.proxy.connector, request),
+            Exchange::start(&self.shared.connector, request),
         );
         let started = tokio::select! {
             biased;
@@ -447,15 +407,9 @@ impl QueuedRequest {
             Ok(Err(err)) => {
                 let cause = crate::upstream::error_chain(&err);
                 tracing::warn!(class = ?self.class, error = %cause, "upstream request failed");
-                Err(Ending::new(
-                    Outcome::Failed(FailKind::UpstreamUnreachable),
-                    err.into(),
-                ))
+                Err(Ending::Told(err.into()))
             }
-            Err(_) => Err(Ending::new(
-                Outcome::Failed(FailKind::UpstreamTimeout),
-                ProxyError::UpstreamTimeout(response_timeout),
-            )),
+            Err(_) => Err(Ending::Told(ProxyError::UpstreamTimeout(response_timeout))),
         }
     }
 }

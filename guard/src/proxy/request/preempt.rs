@@ -8,22 +8,18 @@
 use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
-use http::{Response, header, request, response};
-use http_body::Frame;
-use http_body_util::BodyExt as _;
+use http::{header, request, response};
 use tokio::time::Instant;
 
 use super::{
-    Ending, Interrupt, QueuedRequest,
-    relay::Relay,
-    tracked::{Broke, Engine, Tracked},
+    Ending, Place, QueuedRequest,
+    tracked::{Engine, Tracked},
 };
 use crate::{
     config::Api,
+    metrics::labels::Class,
     proxy::{
-        client_body::{ClientBody, Offer},
         error::ProxyError,
-        outcome::{FailKind, Outcome, Stage, Timeout},
     },
     queue::Progress,
     upstream::{
@@ -31,26 +27,12 @@ use crate::{
         exact::ExactError,
         exchange::Exchange,
         frames::{Lines, StreamFormat},
-        full,
-        resume::{self, Continuation, Endpoint, Transcript},
-        strip_hop_by_hop,
-        usage::Usage,
+        resume::{Continuation, Endpoint, Transcript},
     },
 };
 
 /// How long guard waits for llama-server to let go of a stopped generation's slot.
 const SLOT_FREE_BOUND: Duration = Duration::from_millis(500);
-
-/// What the upstream side did next.
-enum Next {
-    Data(Bytes),
-    Other,
-    End,
-    Idle,
-    Broken(hyper::Error),
-    Preempted,
-    Interrupted(Interrupt),
-}
 
 impl QueuedRequest {
     /// Sends a preemptible request upstream and relays its answer, pausing and going on as
@@ -75,7 +57,7 @@ impl QueuedRequest {
             Err(ending) => Err(ending),
         };
         match started {
-            Ok((exchange, answer)) => self.relay_tracked(exchange, answer, tracked, head).await,
+            Ok((exchange, answer)) => self.relay(exchange, answer, Some(tracked), head).await,
             Err(ending) => ending,
         }
     }
@@ -87,7 +69,7 @@ impl QueuedRequest {
         head: &request::Parts,
         body: Bytes,
     ) -> Result<Option<(Exchange, response::Parts)>, Ending> {
-        let progress: Option<Arc<Progress>> = self.permit.as_ref().map(|p| p.progress_shared());
+        let progress: Option<Arc<Progress>> = self.place.permit().map(|p| p.progress_shared());
         let preempted = async {
             match &progress {
                 Some(progress) => progress.preempted().await,
@@ -101,167 +83,16 @@ impl QueuedRequest {
         }
     }
 
-    /// Relays a preemptible request's answer, pausing and going on as the scheduler asks.
-    async fn relay_tracked(
-        &mut self,
-        exchange: Exchange,
-        mut answer: response::Parts,
-        mut tracked: Tracked,
-        head: &request::Parts,
-    ) -> Ending {
-        strip_hop_by_hop(&mut answer.headers);
-        tracked.format = StreamFormat::of(answer.headers.get(header::CONTENT_TYPE));
-        if !answer.status.is_success() || tracked.format == StreamFormat::Whole {
-            // An error, or not a stream after all: relayed as it is.
-            return self.relay(exchange, answer).await;
-        }
-        self.exchange = Some(exchange);
-        if tracked.plan.client_streams && !self.open_stream(answer, tracked.format) {
-            return Ending::quiet(Outcome::Reaped(Stage::Running));
-        }
-        let watch = self.watch();
-        let interrupted = watch.interrupted();
-        tokio::pin!(interrupted);
-        // Asked to stop where it may not yet: it stops at the first point it may.
-        let mut stop_due = false;
-        loop {
-            let next = self.next_tracked(interrupted.as_mut(), !stop_due).await;
-            let ending = match next {
-                Next::Data(data) => match self.pass_tracked(&mut tracked, &data).await {
-                    None if stop_due && tracked.may_stop() => {
-                        stop_due = false;
-                        self.pause_and_go_on(&mut tracked, head).await
-                    }
-                    passed => passed,
-                },
-                Next::Preempted if !tracked.may_stop() => {
-                    stop_due = true;
-                    None
-                }
-                Next::Other => None,
-                Next::End => Some(self.end_tracked(&mut tracked)),
-                Next::Idle => Some(self.timed_out_ending(Timeout::UpstreamIdle)),
-                Next::Broken(err) => Some(Ending::new(
-                    Outcome::Failed(FailKind::UpstreamReset),
-                    ProxyError::UpstreamReset(err),
-                )),
-                // A client that leaves once the server has said its last word had its answer.
-                Next::Interrupted(Interrupt::ClientGone) if tracked.ended() => {
-                    Some(Ending::quiet(Outcome::Completed))
-                }
-                Next::Interrupted(interrupt) => Some(self.interrupted(interrupt)),
-                Next::Preempted => self.pause_and_go_on(&mut tracked, head).await,
-            };
-            if let Some(ending) = ending {
-                return ending;
-            }
-        }
-    }
-
-    async fn pause_and_go_on(
-        &mut self,
-        tracked: &mut Tracked,
-        head: &request::Parts,
-    ) -> Option<Ending> {
-        match self.pause(tracked, head).await {
-            Ok((exchange, answer)) => self.went_on(exchange, &answer),
-            Err(ending) => Some(ending),
-        }
-    }
-
     /// Takes a continuation's exchange as the one to relay, where its answer is a stream;
     /// else the client's answer is cut short, and must not end as if whole.
-    fn went_on(&mut self, exchange: Exchange, answer: &response::Parts) -> Option<Ending> {
+    pub(super) fn went_on(&mut self, exchange: Exchange, answer: &response::Parts) -> Option<Ending> {
         let streams =
             StreamFormat::of(answer.headers.get(header::CONTENT_TYPE)) != StreamFormat::Whole;
         if !answer.status.is_success() || !streams {
-            return Some(Ending::new(
-                Outcome::Failed(FailKind::UpstreamReset),
-                ProxyError::Continuation(answer.status),
-            ));
+            return Some(Ending::Told(ProxyError::Continuation(answer.status)));
         }
         self.exchange = Some(exchange);
         None
-    }
-
-    /// Sends the response head of a stream now: its events follow as they come.
-    fn open_stream(&mut self, answer: response::Parts, format: StreamFormat) -> bool {
-        let (body, feed) = ClientBody::channel(http_body::SizeHint::default());
-        let response = self.tag(Response::from_parts(
-            answer,
-            body.map_err(Into::into).boxed(),
-        ));
-        let sent = self
-            .respond
-            .take()
-            .is_some_and(|respond| respond.send(response).is_ok());
-        self.relay = Some(Relay::new(feed, format));
-        sent
-    }
-
-    async fn next_tracked(
-        &mut self,
-        interrupted: std::pin::Pin<&mut impl Future<Output = Interrupt>>,
-        heed_preemption: bool,
-    ) -> Next {
-        let idle = self.timeouts.upstream_idle;
-        let (Some(exchange), Some(permit)) = (self.exchange.as_mut(), self.permit.as_ref()) else {
-            return Next::End;
-        };
-        let progress = permit.progress();
-        let preempted = async {
-            match heed_preemption {
-                true => progress.preempted().await,
-                false => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            biased;
-            interrupt = interrupted => Next::Interrupted(interrupt),
-            () = preempted => Next::Preempted,
-            frame = tokio::time::timeout(idle, exchange.frame()) => match frame {
-                Err(_) => Next::Idle,
-                Ok(None) => Next::End,
-                Ok(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(data) => Next::Data(data),
-                    Err(_) => Next::Other,
-                },
-                Ok(Some(Err(err))) => Next::Broken(err),
-            },
-        }
-    }
-
-    /// Reads one chunk, and passes it on where the client streams.
-    async fn pass_tracked(&mut self, tracked: &mut Tracked, data: &[u8]) -> Option<Ending> {
-        let (out, tokens, reread) = match tracked.read(data) {
-            Ok(read) => read,
-            Err(broke) => return Some(self.broke(tracked, broke)),
-        };
-        if reread > 0 {
-            self.count_reread(reread);
-        }
-        if let Some(permit) = &self.permit {
-            permit.progress().advance(tokens);
-        }
-        if !tracked.plan.client_streams || out.is_empty() {
-            return None;
-        }
-        if self.ttft.is_none() {
-            self.first_byte();
-        }
-        let relay = self.relay.as_ref()?;
-        let stall = self.timeouts.client_stall;
-        match relay.feed.try_send(Frame::data(Bytes::from(out))) {
-            Ok(()) => None,
-            Err(Offer::Gone) => Some(Ending::quiet(Outcome::Reaped(Stage::Running))),
-            Err(Offer::Full(frame)) => {
-                match tokio::time::timeout(stall, relay.feed.send(frame)).await {
-                    Ok(Ok(())) => None,
-                    Ok(Err(_)) => Some(Ending::quiet(Outcome::Reaped(Stage::Running))),
-                    Err(_) => Some(self.timed_out_ending(Timeout::ClientStall)),
-                }
-            }
-        }
     }
 
     /// When an exact run stops, its state is put where the urgent request will not take it
@@ -272,12 +103,10 @@ impl QueuedRequest {
         let Engine::Exact(run) = &tracked.engine else {
             return;
         };
-        match run.exact.pad(&self.proxy.upstream, run.ids.exact()).await {
+        match run.exact.pad(&self.shared.upstream, run.ids.exact()).await {
             Ok(work) => {
                 tracked.read.side(work);
-                let class = self.class.as_deref().unwrap_or_default();
-                let pad = &self.proxy.metrics.preempt_pad_tokens_total;
-                pad.with_label_values(&[class]).inc_by(work.read);
+                self.preemptions.pad += work.read;
             }
             Err(err) => kept_nothing(&err),
         }
@@ -288,7 +117,7 @@ impl QueuedRequest {
         let Engine::Exact(run) = &tracked.engine else {
             return;
         };
-        match run.exact.flush(&self.proxy.upstream).await {
+        match run.exact.flush(&self.shared.upstream).await {
             Ok(work) => {
                 tracked.read.side(work);
                 if going_on {
@@ -300,94 +129,20 @@ impl QueuedRequest {
         }
     }
 
-    fn count_reread(&self, tokens: u64) {
-        let class = self.class.as_deref().unwrap_or_default();
-        self.proxy
-            .metrics
-            .preempt_reread_tokens_total
-            .with_label_values(&[class])
-            .inc_by(tokens);
-    }
-
-    /// The answer cannot go on: the client gets a clean error in its API's shape, never a
-    /// different answer passed off as whole.
-    fn broke(&mut self, tracked: &Tracked, broke: Broke) -> Ending {
-        self.usage = Some(Usage {
-            ended: false,
-            ..tracked.usage()
-        });
-        let error = match broke {
-            Broke::Diverged(diverged) => {
-                tracing::warn!(class = ?self.class, %diverged, "a preempted answer could not go on exactly");
-                ProxyError::Diverged(diverged)
-            }
-            Broke::UpstreamSaid(message) => ProxyError::UpstreamSaid(message),
-        };
-        // Not the upstream's own error answer: a streaming client is told in its stream.
-        Ending::new(Outcome::Failed(FailKind::UpstreamReset), error)
-    }
-
-    /// The upstream ended its stream: the whole answer goes to a client that asked for one.
-    fn end_tracked(&mut self, tracked: &mut Tracked) -> Ending {
-        if !tracked.lines.rest().is_empty() {
-            let read = tracked.read(b"\n");
-            if let (Ok((out, _, _)), Some(relay)) = (
-                read,
-                self.relay.as_ref().filter(|_| tracked.plan.client_streams),
-            ) {
-                // The last line had no newline: it goes as it came.
-                let last = out.strip_suffix(b"\n").unwrap_or(&out).to_vec();
-                let _ = relay.feed.try_send(Frame::data(Bytes::from(last)));
-            }
-        }
-        if self.expects_json() {
-            self.answer_is_json = Some(resume::is_json(tracked.text()));
-        }
-        self.usage = Some(tracked.usage());
-        if !tracked.ended() {
-            // Cut short: never a whole answer passed off as complete.
-            return Ending::new(
-                Outcome::Failed(FailKind::UpstreamReset),
-                ProxyError::Truncated,
-            );
-        }
-        if tracked.plan.client_streams {
-            return Ending::quiet(Outcome::Completed);
-        }
-        let body = match &tracked.engine {
-            Engine::Exact(run) => run.framer.whole(&run.last, &run.ids),
-            Engine::Text(transcript) => {
-                let model = self.model.clone().unwrap_or_default();
-                resume::whole_answer(tracked.plan.endpoint, &model, transcript)
-            }
-        };
-        let mut response = Response::new(full(body));
-        response.headers_mut().insert(
-            header::CONTENT_TYPE,
-            http::HeaderValue::from_static("application/json"),
-        );
-        self.first_byte();
-        let response = self.tag(response);
-        let sent = self
-            .respond
-            .take()
-            .is_some_and(|respond| respond.send(response).is_ok());
-        match sent {
-            true => Ending::quiet(Outcome::Completed),
-            false => Ending::quiet(Outcome::Reaped(Stage::Running)),
-        }
+    pub(super) fn count_reread(&mut self, tokens: u64) {
+        self.preemptions.reread += tokens;
     }
 
     /// Stops for a more urgent request: the exchange ends, the slot goes back once the
     /// upstream has let go of it, and when this request's turn comes again it goes on: the
     /// continuation's exchange and answer head.
-    async fn pause(
+    pub(super) async fn pause(
         &mut self,
         tracked: &mut Tracked,
         head: &request::Parts,
     ) -> Result<(Exchange, response::Parts), Ending> {
         self.exchange = None;
-        let proxy = Arc::clone(&self.proxy);
+        let proxy = Arc::clone(&self.shared);
         if self.settings.api == Api::Openai {
             let watch = self.watch();
             tokio::select! {
@@ -399,19 +154,12 @@ impl QueuedRequest {
         self.pad(tracked).await;
         let paused = Instant::now();
         let class = self.class.clone().unwrap_or_default();
-        proxy
-            .metrics
-            .preempted_total
-            .with_label_values(&[&class])
-            .inc();
-        let Some(permit) = self.permit.take() else {
-            return Err(Ending::new(
-                Outcome::Failed(FailKind::Internal),
-                ProxyError::Internal,
-            ));
+        let stopped = proxy.metrics.preempted_total.of(&Class { class: &class });
+        stopped.inc();
+        let Some(permit) = self.place.give_back() else {
+            return Err(Ending::Told(ProxyError::Internal));
         };
         tracing::debug!(class, tokens = tracked.generated(), "preempted");
-        self.stage = Stage::Queued;
         let ticket = permit.requeue(self.arrived);
         let watch = self.watch();
         let granted = tokio::select! {
@@ -420,24 +168,14 @@ impl QueuedRequest {
             granted = ticket.wait() => granted,
         };
         let permit = granted.map_err(|rejection| {
-            Ending::new(
-                Outcome::Rejected {
-                    reason: rejection.reason,
-                    stage: Stage::Queued,
-                },
-                ProxyError::Rejected {
+            Ending::Told(ProxyError::Rejected {
                     class: class.clone(),
                     reason: rejection.reason,
                     retry_after: rejection.retry_after,
-                },
-            )
+                })
         })?;
-        self.permit = Some(permit);
-        proxy
-            .metrics
-            .preempt_pause_seconds
-            .with_label_values(&[&class])
-            .observe(paused.elapsed().as_secs_f64());
+        self.place = Place::Running(permit);
+        self.preemptions.pauses.push(paused.elapsed());
         Box::pin(self.go_on(tracked, head)).await
     }
 
@@ -447,29 +185,21 @@ impl QueuedRequest {
         tracked: &mut Tracked,
         head: &request::Parts,
     ) -> Result<(Exchange, response::Parts), Ending> {
-        let class = self.class.clone().unwrap_or_default();
-        let metrics = &self.proxy.metrics;
-        metrics
-            .preempt_resumes_total
-            .with_label_values(&[&class, tracked.kind()])
-            .inc();
+        self.preemptions.kind = Some(tracked.kind());
         tracked.lines = Lines::default();
         tracked.read.next_segment();
-        let regenerated = metrics
-            .preempt_regenerated_tokens_total
-            .with_label_values(&[&class]);
         self.flush(tracked, true).await;
         let (segment_head, body) = match &mut tracked.engine {
             Engine::Exact(run) => {
                 let before = run.ids.regenerated;
                 let generated = run.ids.resume();
                 let body = run.exact.segment(generated);
-                regenerated.inc_by(run.ids.regenerated - before);
+                self.preemptions.regenerated += run.ids.regenerated - before;
                 (Some(run.exact.head(head)), body)
             }
             Engine::Text(transcript) => {
                 if tracked.plan.continuation == Continuation::Restart {
-                    regenerated.inc_by(transcript.generated);
+                    self.preemptions.regenerated += transcript.generated;
                     *transcript = Transcript::default();
                 } else {
                     // llama-server repeats an assistant prefill at the start of its answer.

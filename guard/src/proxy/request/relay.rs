@@ -1,25 +1,31 @@
-//! The relay phase: the answer's frames go to the client as they come, under the class's idle,
-//! stall and duration limits, until the answer ends, is cut, or its client leaves.
+//! The relay phase, one loop for every queued request: the answer's frames are read on their
+//! way (as they pass, or event by event for a preemptible request) and go to the client as it
+//! takes them, with every watch in one place: the client leaving, a client that stops reading,
+//! an upstream gone idle, the class's maximum duration, and a preemption.
 
 use std::{pin::Pin, time::Duration};
 
 use bytes::Bytes;
-use http::{Response, header, response};
+use http::{Response, header, request, response};
 use http_body::Frame;
 use http_body_util::BodyExt as _;
+use tokio::time::Instant;
 
-use super::{Ending, Interrupt, QueuedRequest};
+use super::{
+    Ending, Interrupt, QueuedRequest,
+    reading::{Plain, Reading},
+    tracked::Tracked,
+};
 use crate::{
     proxy::{
-        client_body::{ClientBody, Feed, Offer},
-        error::{ErrorShape, ProxyError},
+        client_body::{ClientBody, Feed, Finish, Offer},
+        error::ProxyError,
         outcome::{FailKind, Outcome, Stage, Timeout},
     },
     upstream::{
         exchange::Exchange,
-        frames::{self, Lines, StreamFormat},
-        resume::{self, Transcript},
-        strip_hop_by_hop, usage,
+        frames::StreamFormat,
+        strip_hop_by_hop,
     },
 };
 
@@ -27,141 +33,212 @@ use crate::{
 /// on `data: [DONE]` a moment before the server's chunked terminator, and had its answer.
 const END_GRACE: Duration = Duration::from_millis(50);
 
-/// What the upstream side did next.
+/// What happened next, on either side.
 enum Next {
+    /// The upstream's next frame.
     Frame(Frame<Bytes>),
+    /// The frame the client was not taking has gone to it.
+    Delivered,
+    /// The client took nothing for `client_stall_ms`.
+    Stalled,
+    /// The client's side of the answer is gone (hyper dropped the body).
+    Left,
     End,
     Idle,
     Broken(hyper::Error),
+    Preempted,
     Interrupted(Interrupt),
 }
 
-/// What became of a frame handed to the client.
-enum Delivery {
-    Delivered,
-    Stalled,
-    Gone,
-    Interrupted(Interrupt),
+/// A frame the client has no room for yet, and when waiting for room becomes a stall.
+struct Pending {
+    frame: Frame<Bytes>,
+    stall_at: Instant,
 }
 
-/// The answer's way to the client, and what is known of it.
+/// The answer's way to a client whose response has begun.
 pub(super) struct Relay {
-    pub(super) feed: Feed,
+    feed: Feed,
     format: StreamFormat,
-    /// The outcome if the upstream ends its answer: completed, or failed for a 5xx.
-    end: Outcome,
-    sent_data: bool,
-    /// The end of the answer (all of a single document, up to `WHOLE_BYTES`): its counts, and
-    /// for Ollama its load_duration, which tells a cold load.
-    tail: Vec<u8>,
-    /// The upstream answered with a success status.
-    success: bool,
-    /// The answer's text, read where the class expects JSON.
-    text: Option<AnswerText>,
 }
 
-/// An answer's text, read event by event as it passes.
-#[derive(Default)]
-struct AnswerText {
-    transcript: Transcript,
-    lines: Lines,
-}
+impl Relay {
+    pub(super) fn feed(&self) -> &Feed {
+        &self.feed
+    }
 
-impl AnswerText {
-    fn push(&mut self, format: StreamFormat, data: &[u8]) {
-        let Self { transcript, lines } = self;
-        lines.push(data, |line| {
-            if let Some(payload) = format.payload(line) {
-                transcript.read(payload);
-            }
-        });
+    /// Ends the client's answer as `outcome` calls for: cleanly after the upstream's own end,
+    /// with the API's error event where the format has one, else cut.
+    pub(super) fn finish(self, outcome: &Outcome, error: Option<&ProxyError>) {
+        let clean = matches!(
+            outcome,
+            Outcome::Completed | Outcome::Failed(FailKind::UpstreamError)
+        );
+        let finish = match clean {
+            true => Some(Finish::Clean),
+            false => error
+                .and_then(|error| error.stream_frame(self.format))
+                .map(Finish::Error),
+        };
+        self.feed.finish(finish);
     }
 }
 
-/// A single-document answer up to this size is kept whole to read its counts.
-const WHOLE_BYTES: usize = 1 << 20;
-
 impl QueuedRequest {
-    pub(super) async fn relay(&mut self, exchange: Exchange, mut head: response::Parts) -> Ending {
-        strip_hop_by_hop(&mut head.headers);
-        let format = StreamFormat::of(head.headers.get(header::CONTENT_TYPE));
-        let head_success = head.status.is_success();
-        let end = match head.status.is_server_error() {
-            true => Outcome::Failed(FailKind::UpstreamError),
-            false => Outcome::Completed,
-        };
-        let (body, feed) = ClientBody::channel(exchange.size_hint());
+    /// Relays the answer whose head is `answer`: event by event where the request is
+    /// preemptible and the answer a successful stream, else as it comes.
+    pub(super) async fn relay(
+        &mut self,
+        exchange: Exchange,
+        mut answer: response::Parts,
+        tracked: Option<Tracked>,
+        head: &request::Parts,
+    ) -> Ending {
+        strip_hop_by_hop(&mut answer.headers);
+        let format = StreamFormat::of(answer.headers.get(header::CONTENT_TYPE));
+        let hint = exchange.size_hint();
         self.exchange = Some(exchange);
-        let response = self.tag(Response::from_parts(head, body.map_err(Into::into).boxed()));
-        let sent = self
-            .respond
-            .take()
-            .is_some_and(|respond| respond.send(response).is_ok());
-        if !sent {
-            return Ending::quiet(Outcome::Reaped(Stage::Running));
-        }
-        let mut relay = Relay {
-            feed,
-            format,
-            end,
-            sent_data: false,
-            tail: Vec::new(),
-            success: head_success,
-            // Read where the class expects JSON, on an endpoint whose answers guard knows.
-            text: (self.endpoint.is_some() && self.expects_json()).then(AnswerText::default),
+        let streams = answer.status.is_success() && format != StreamFormat::Whole;
+        let mut reading = match tracked {
+            Some(mut tracked) if streams => {
+                tracked.format = format;
+                let opened = !tracked.plan.client_streams
+                    || self.open(answer, format, http_body::SizeHint::default());
+                if !opened {
+                    return Ending::Quiet(Outcome::Reaped(Stage::Running));
+                }
+                Reading::Tracked(Box::new(tracked))
+            }
+            // Not preemptible, or an error or not a stream after all: relayed as it is.
+            _ => {
+                let reads_text = self.endpoint.is_some() && self.expects_json();
+                let plain = Plain::new(format, &answer, reads_text);
+                if !self.open(answer, format, hint) {
+                    return Ending::Quiet(Outcome::Reaped(Stage::Running));
+                }
+                Reading::Plain(plain)
+            }
         };
+        self.relay_loop(&mut reading, head).await
+    }
+
+    /// Sends the response head now; its frames follow as they come.
+    fn open(
+        &mut self,
+        answer: response::Parts,
+        format: StreamFormat,
+        hint: http_body::SizeHint,
+    ) -> bool {
+        let (body, feed) = ClientBody::channel(hint);
+        let response = self.tag(Response::from_parts(
+            answer,
+            body.map_err(Into::into).boxed(),
+        ));
+        self.reply.open(response, Relay { feed, format })
+    }
+
+    async fn relay_loop(&mut self, reading: &mut Reading, head: &request::Parts) -> Ending {
         // One interrupt future for the whole answer: frames are token-sized and many.
         let watch = self.watch();
         let interrupted = watch.interrupted();
         tokio::pin!(interrupted);
-        let ending = loop {
-            let next = self.next_frame(interrupted.as_mut()).await;
+        let mut pending = None;
+        // Asked to stop where it may not yet: it stops at the first point it may.
+        let mut stop_due = false;
+        // The ending, once the last bytes guard sends of its own have gone.
+        let mut then = None;
+        loop {
+            let heed = reading.is_tracked() && !stop_due;
+            let next = self.next(interrupted.as_mut(), &mut pending, heed).await;
             let ending = match next {
-                Next::Frame(frame) => self.pass(&mut relay, frame, interrupted.as_mut()).await,
-                Next::End => Some(Ending::quiet(relay.end.clone())),
-                Next::Idle => Some(self.timed_out_ending(Timeout::UpstreamIdle)),
-                Next::Broken(err) => Some(Ending::new(
-                    Outcome::Failed(FailKind::UpstreamReset),
-                    ProxyError::UpstreamReset(err),
-                )),
-                Next::Interrupted(interrupt) => {
-                    Some(self.interrupted_relay(&relay, interrupt).await)
+                Next::Frame(frame) => match self.read(reading, frame) {
+                    Err(ending) => Some(ending),
+                    Ok(out) => match self.offer(out, &mut pending) {
+                        Some(ending) => Some(ending),
+                        None if stop_due && reading.may_stop() => {
+                            stop_due = false;
+                            self.pause_and_go_on(reading, head, &mut pending).await
+                        }
+                        None => None,
+                    },
+                },
+                Next::Delivered => then.take(),
+                Next::Stalled => Some(self.timed_out_ending(Timeout::ClientStall)),
+                Next::Left => Some(Ending::Quiet(Outcome::Reaped(Stage::Running))),
+                Next::End => {
+                    let (last, ending) = self.end(reading);
+                    match self.offer(last, &mut pending) {
+                        Some(left) => Some(left),
+                        None if pending.is_some() => {
+                            then = Some(ending);
+                            None
+                        }
+                        None => Some(ending),
+                    }
                 }
+                Next::Idle => Some(self.timed_out_ending(Timeout::UpstreamIdle)),
+                Next::Broken(err) => Some(Ending::Told(ProxyError::UpstreamReset(err))),
+                Next::Preempted if !reading.may_stop() => {
+                    stop_due = true;
+                    None
+                }
+                Next::Preempted => self.pause_and_go_on(reading, head, &mut pending).await,
+                Next::Interrupted(Interrupt::MaxDuration) => {
+                    Some(self.timed_out_ending(Timeout::MaxDuration))
+                }
+                Next::Interrupted(Interrupt::ClientGone) => Some(self.left(reading).await),
             };
             if let Some(ending) = ending {
-                break ending;
-            }
-        };
-        if ending.outcome == Outcome::Completed {
-            let mut usage = usage::read(relay.format, &relay.tail);
-            // A single document is whole when its body ended as framed.
-            usage.ended = relay.success && (usage.ended || relay.format == StreamFormat::Whole);
-            self.usage = Some(usage);
-            if let Some(text) = &mut relay.text {
-                if relay.format == StreamFormat::Whole {
-                    text.transcript.read(&relay.tail);
-                }
-                self.answer_is_json = Some(resume::is_json(&text.transcript.text));
-            }
-            if self.shape == ErrorShape::Ollama
-                && let Some(load) = usage.load
-            {
-                self.note_cold_load(load);
+                return ending;
             }
         }
-        self.relay = Some(relay);
-        ending
     }
 
-    /// The upstream's next frame, within the class's idle limit.
-    async fn next_frame(&mut self, interrupted: Pin<&mut impl Future<Output = Interrupt>>) -> Next {
+    /// The next thing to act on: while a frame waits for the client, its delivery (the
+    /// upstream is not read meanwhile); else the upstream's next frame, within the idle limit.
+    /// The client leaving, the time running out and a preemption are watched throughout.
+    async fn next(
+        &mut self,
+        interrupted: Pin<&mut impl Future<Output = Interrupt>>,
+        pending: &mut Option<Pending>,
+        heed_preemption: bool,
+    ) -> Next {
         let idle = self.timeouts.upstream_idle;
+        let preempted = async {
+            match (heed_preemption, &self.place.permit()) {
+                (true, Some(permit)) => permit.progress().preempted().await,
+                _ => std::future::pending().await,
+            }
+        };
+        if let Some(waiting) = pending {
+            let Some(feed) = self.reply.feed() else {
+                return Next::Left;
+            };
+            return tokio::select! {
+                biased;
+                interrupt = interrupted => Next::Interrupted(interrupt),
+                () = preempted => Next::Preempted,
+                room = feed.room() => match (room, pending.take()) {
+                    (Ok(room), Some(waiting)) => {
+                        room.send(waiting.frame);
+                        Next::Delivered
+                    }
+                    _ => Next::Left,
+                },
+                () = tokio::time::sleep_until(waiting.stall_at) => Next::Stalled,
+            };
+        }
         let Some(exchange) = self.exchange.as_mut() else {
             return Next::End;
         };
+        // A known length ends with its last data frame; hyper polls no further.
+        if exchange.is_end_stream() {
+            return Next::End;
+        }
         tokio::select! {
             biased;
             interrupt = interrupted => Next::Interrupted(interrupt),
+            () = preempted => Next::Preempted,
             frame = tokio::time::timeout(idle, exchange.frame()) => match frame {
                 Err(_) => Next::Idle,
                 Ok(None) => Next::End,
@@ -171,79 +248,68 @@ impl QueuedRequest {
         }
     }
 
-    /// Hands one frame to the client; returns the ending if this was the last or it failed.
-    async fn pass(
-        &mut self,
-        relay: &mut Relay,
-        frame: Frame<Bytes>,
-        interrupted: Pin<&mut impl Future<Output = Interrupt>>,
-    ) -> Option<Ending> {
-        if let Some(data) = frame.data_ref() {
-            if let Some(permit) = &self.permit {
-                permit.progress().advance(relay.format.count_tokens(data));
-            }
-            if let Some(text) = &mut relay.text
-                && relay.format != StreamFormat::Whole
-            {
-                text.push(relay.format, data);
-            }
-            match relay.format {
-                StreamFormat::Whole if relay.tail.len() + data.len() <= WHOLE_BYTES => {
-                    relay.tail.extend_from_slice(data);
-                }
-                _ => frames::keep_tail(&mut relay.tail, data),
-            }
-            if !relay.sent_data && !data.is_empty() {
-                relay.sent_data = true;
-                self.first_byte();
-            }
-        }
-        // A known length ends with its last data frame; hyper polls no further.
-        let last = self.exchange.as_ref().is_some_and(Exchange::is_end_stream);
-        match deliver(&relay.feed, frame, self.timeouts.client_stall, interrupted).await {
-            Delivery::Delivered if last => Some(Ending::quiet(relay.end.clone())),
-            Delivery::Delivered => None,
-            Delivery::Stalled => Some(self.timed_out_ending(Timeout::ClientStall)),
-            Delivery::Gone | Delivery::Interrupted(Interrupt::ClientGone) => {
-                Some(Ending::quiet(Outcome::Reaped(Stage::Running)))
-            }
-            Delivery::Interrupted(Interrupt::MaxDuration) => {
-                Some(self.timed_out_ending(Timeout::MaxDuration))
+    /// Hands `out` to the client where it has room now; else it waits as `pending`, and the
+    /// client's stall clock starts. Returns the ending if the client has gone.
+    fn offer(&self, out: Option<Frame<Bytes>>, pending: &mut Option<Pending>) -> Option<Ending> {
+        let frame = out?;
+        let Some(feed) = self.reply.feed() else {
+            // A client that gets its answer whole at the end: nothing goes before it.
+            return None;
+        };
+        match feed.try_send(frame) {
+            Ok(()) => None,
+            Err(Offer::Gone) => Some(Ending::Quiet(Outcome::Reaped(Stage::Running))),
+            Err(Offer::Full(frame)) => {
+                *pending = Some(Pending {
+                    frame,
+                    stall_at: Instant::now() + self.timeouts.client_stall,
+                });
+                None
             }
         }
     }
 
-    /// The client left or time ran out while guard waited for the upstream.
-    async fn interrupted_relay(&mut self, relay: &Relay, interrupt: Interrupt) -> Ending {
-        if interrupt == Interrupt::MaxDuration {
-            return self.timed_out_ending(Timeout::MaxDuration);
+    /// Pauses for a more urgent request and goes on; a frame still waiting for the client
+    /// waits on, its stall clock started anew (the pause was guard's, not the client's).
+    async fn pause_and_go_on(
+        &mut self,
+        reading: &mut Reading,
+        head: &request::Parts,
+        pending: &mut Option<Pending>,
+    ) -> Option<Ending> {
+        let Reading::Tracked(tracked) = reading else {
+            return None;
+        };
+        let ending = match self.pause(tracked, head).await {
+            Ok((exchange, answer)) => self.went_on(exchange, &answer),
+            Err(ending) => Some(ending),
+        };
+        if let Some(waiting) = pending {
+            waiting.stall_at = Instant::now() + self.timeouts.client_stall;
         }
-        // A client that had data and leaves just before the end had its whole answer: the
-        // upstream is given a moment to say so. Anything else is a departure mid-answer.
-        let ended = match self.exchange.as_mut() {
-            Some(exchange) if exchange.is_end_stream() => true,
-            Some(exchange) if relay.sent_data => {
-                matches!(
+        ending
+    }
+
+    /// The client left mid-answer. One that leaves once the answer is over (the server said
+    /// its last word, or says it within a moment of the client's data) had its answer.
+    async fn left(&mut self, reading: &mut Reading) -> Ending {
+        let over = reading.ended()
+            || match self.exchange.as_mut() {
+                Some(exchange) if exchange.is_end_stream() => true,
+                Some(exchange) if self.ttft.is_some() => matches!(
                     tokio::time::timeout(END_GRACE, exchange.frame()).await,
                     Ok(None)
-                )
-            }
-            _ => false,
-        };
-        match ended {
-            true => Ending::quiet(relay.end.clone()),
-            false => Ending::quiet(Outcome::Reaped(Stage::Running)),
+                ),
+                _ => false,
+            };
+        match over {
+            true => self.end(reading).1,
+            false => Ending::Quiet(Outcome::Reaped(Stage::Running)),
         }
     }
 
     pub(super) fn timed_out_ending(&self, which: Timeout) -> Ending {
-        Ending::new(
-            Outcome::TimedOut {
-                which,
-                stage: Stage::Running,
-            },
-            self.timed_out(which),
-        )
+        Ending::Told(self.timed_out(which))
     }
 
     /// Whether this request's class counts only answers that parse as JSON.
@@ -259,87 +325,7 @@ impl QueuedRequest {
         self.ttft = Some(ttft);
         if let Some(class) = &self.class {
             // The risk detector reads recent TTFTs as they happen.
-            self.proxy.ttft.record(class, ttft);
+            self.shared.ttft.record(class, ttft);
         }
-    }
-
-    /// Ollama's answer says how long its model took to load: a long load is a cold load.
-    fn note_cold_load(&self, load: Duration) {
-        let model = self
-            .proxy
-            .remote_models
-            .model_label(self.model.as_deref().unwrap_or_default());
-        let metrics = &self.proxy.metrics;
-        metrics
-            .model_last_load_seconds
-            .with_label_values(&[model])
-            .set(load.as_secs_f64());
-        if load > self.settings.cold_load {
-            metrics
-                .model_cold_loads_total
-                .with_label_values(&[model])
-                .inc();
-            tracing::info!(
-                model,
-                load_ms = load.as_millis() as u64,
-                "cold load: the model was loaded for this request"
-            );
-        }
-    }
-}
-
-impl Relay {
-    /// The way to a client whose response has begun, for an answer that ends cleanly.
-    pub(super) fn new(feed: Feed, format: StreamFormat) -> Self {
-        Self {
-            feed,
-            format,
-            end: Outcome::Completed,
-            sent_data: false,
-            tail: Vec::new(),
-            success: true,
-            text: None,
-        }
-    }
-
-    /// Ends the client's answer as `outcome` calls for: cleanly after the upstream's own end,
-    /// with the API's error event where the format has one, else cut.
-    pub(super) fn finish(self, outcome: &Outcome, error: Option<&ProxyError>) {
-        use crate::proxy::client_body::Finish;
-        let clean = matches!(
-            outcome,
-            Outcome::Completed | Outcome::Failed(FailKind::UpstreamError)
-        );
-        let finish = match clean {
-            true => Some(Finish::Clean),
-            false => error
-                .and_then(|error| error.stream_frame(self.format))
-                .map(Finish::Error),
-        };
-        self.feed.finish(finish);
-    }
-}
-
-/// Hands `frame` over, waiting at most `stall` for room, unless the request is interrupted.
-async fn deliver(
-    feed: &Feed,
-    frame: Frame<Bytes>,
-    stall: Duration,
-    interrupted: Pin<&mut impl Future<Output = Interrupt>>,
-) -> Delivery {
-    // Room at once is the common case: no timer, no wait.
-    let frame = match feed.try_send(frame) {
-        Ok(()) => return Delivery::Delivered,
-        Err(Offer::Gone) => return Delivery::Gone,
-        Err(Offer::Full(frame)) => frame,
-    };
-    tokio::select! {
-        biased;
-        interrupt = interrupted => Delivery::Interrupted(interrupt),
-        sent = tokio::time::timeout(stall, feed.send(frame)) => match sent {
-            Ok(Ok(())) => Delivery::Delivered,
-            Ok(Err(_)) => Delivery::Gone,
-            Err(_) => Delivery::Stalled,
-        },
     }
 }

@@ -217,6 +217,16 @@ impl Tracked {
         }
     }
 
+    /// The whole answer, for a client that asked for one, in its API's shape.
+    pub(super) fn whole(&self, model: &str) -> Vec<u8> {
+        match &self.engine {
+            Engine::Exact(run) => run.framer.whole(&run.last, &run.ids).into(),
+            Engine::Text(transcript) => {
+                resume::whole_answer(self.plan.endpoint, model, transcript).into()
+            }
+        }
+    }
+
     /// The answer's text so far.
     pub(super) fn text(&self) -> &str {
         match &self.engine {
