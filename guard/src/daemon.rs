@@ -28,7 +28,7 @@ use crate::{
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
-    #[error("cannot listen on {addr} ({key}): {source}")]
+    #[error("cannot listen on {addr} ({key})")]
     Bind {
         key: &'static str,
         addr: SocketAddr,
@@ -36,8 +36,8 @@ pub enum DaemonError {
     },
     #[error(transparent)]
     Proxy(#[from] ProxyError),
-    #[error("cannot install a signal handler: {0}")]
-    Signal(std::io::Error),
+    #[error("cannot install a signal handler")]
+    Signal(#[source] std::io::Error),
     #[error(transparent)]
     Workers(#[from] proxy::WorkersError),
     #[error("cannot make the model-server metrics")]
@@ -363,12 +363,13 @@ fn start_ebpf(
             (state, Some(events))
         }
         Err(err) => {
+            let why = crate::error_chain(&err);
             tracing::warn!(
-                "eBPF is off: {err}; guard runs on and notices departed clients in user space"
+                "eBPF is off: {why}; guard runs on and notices departed clients in user space"
             );
             let state = EbpfState {
                 tracker: None,
-                unavailable: Some(err.to_string()),
+                unavailable: Some(why),
             };
             (state, None)
         }
@@ -451,7 +452,8 @@ fn reload(
                 .config_reloads_total
                 .with_label_values(&[RELOAD_REFUSED])
                 .inc();
-            tracing::error!("SIGHUP: config refused, the running one stays: {err}");
+            let why = crate::error_chain(&err);
+            tracing::error!("SIGHUP: config refused, the running one stays: {why}");
             current
         }
     }
