@@ -9,8 +9,9 @@ use std::{
 
 use tokio::{
     net::TcpListener,
-    signal::unix::{SignalKind, signal},
+    signal::unix::{Signal, SignalKind, signal},
     sync::{mpsc, watch},
+    task::JoinHandle,
 };
 
 use crate::{
@@ -28,7 +29,7 @@ use crate::{
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
-    #[error("cannot listen on {addr} ({key}): {source}")]
+    #[error("cannot listen on {addr} ({key})")]
     Bind {
         key: &'static str,
         addr: SocketAddr,
@@ -36,8 +37,8 @@ pub enum DaemonError {
     },
     #[error(transparent)]
     Proxy(#[from] ProxyError),
-    #[error("cannot install a signal handler: {0}")]
-    Signal(std::io::Error),
+    #[error("cannot install a signal handler")]
+    Signal(#[source] std::io::Error),
     #[error(transparent)]
     Workers(#[from] proxy::WorkersError),
     #[error("cannot make the model-server metrics")]
@@ -112,49 +113,145 @@ pub async fn run(
     setup: Setup,
 ) -> Result<(), DaemonError> {
     let started = Instant::now();
-    // Installed before anything serves: a SIGTERM or SIGHUP that comes as soon as guard answers
-    // must not meet the default action, which kills guard before it restores any cgroup.
-    let mut terminate = signal(SignalKind::terminate()).map_err(DaemonError::Signal)?;
-    let mut interrupt = signal(SignalKind::interrupt()).map_err(DaemonError::Signal)?;
-    let mut hangup = signal(SignalKind::hangup()).map_err(DaemonError::Signal)?;
+    let mut signals = Signals::install()?;
     raise_open_file_limit();
     crate::memory::return_large_blocks_to_the_system();
-    let metrics = setup.metrics;
+    let Setup {
+        metrics,
+        throttler,
+        proxy: proxy_sockets,
+        metrics_listener,
+        agent,
+        ports,
+        ebpf,
+    } = setup;
     for result in [RELOAD_APPLIED, RELOAD_REFUSED] {
         metrics.config_reloads_total.with_label_values(&[result]);
     }
+    let proxy_listeners = listening(proxy_sockets)?;
+    let metrics_listeners = listening(metrics_listener)?;
+    let parts = Parts::start(&config, metrics, throttler, ebpf, ports)?;
+    let sources = Arc::new(parts.status_sources(&config, config_path.clone(), started));
+    let metrics_task = spawn_metrics(&config, &parts.metrics, metrics_listeners, &sources)?;
+    let agent_task = agent.map(|bound| spawn_agent(bound, &parts.metrics, &sources));
+    let agent_task = agent_task.transpose()?;
+    let (configs, configs_seen) = watch::channel(config.clone());
+    let risk_task = tokio::spawn(risk::run(configs_seen, parts.detector(&sources.risk)));
+    let (stop, stopped) = watch::channel(false);
+    let grace = Duration::from_millis(config.server.drain_grace_ms);
+    let workers = proxy::Workers::per_cpu()?;
+    let proxy_task = tokio::spawn(proxy::serve(
+        proxy_listeners,
+        Arc::clone(&parts.proxy),
+        stopped,
+        grace,
+        workers,
+    ));
+    tracing::info!(
+        listen = %config.server.listen,
+        upstream = %config.upstream.url,
+        metrics = %config.metrics.listen,
+        "guard is serving"
+    );
+    signals
+        .until_stopped(config, config_path.as_deref(), &parts, &configs)
+        .await;
+    let tasks = Tasks {
+        stop,
+        proxy: proxy_task,
+        metrics: metrics_task,
+        agent: agent_task,
+        risk: risk_task,
+    };
+    shut_down(tasks, &parts).await;
+    Ok(())
+}
 
-    let throttler = Arc::new(Mutex::new(setup.throttler));
-    let proxy_listeners = listening(setup.proxy)?;
-    let metrics_listeners = listening(setup.metrics_listener)?;
-    let listen_ports = setup.ports;
-    let (ebpf, events) = start_ebpf(setup.ebpf, &listen_ports);
-    metrics.ebpf_attached.set(i64::from(ebpf.tracker.is_some()));
-    let tracker = ebpf.tracker.clone();
-    let ebpf = Arc::new(Mutex::new(ebpf));
-    let connections = Arc::new(Registry::default());
-    if let Some(events) = events {
-        tokio::spawn(reaper::run(events, Arc::clone(&connections), listen_ports));
+/// The signals guard answers. Installed before anything serves: a SIGTERM or SIGHUP that
+/// comes as soon as guard answers must not meet the default action, which kills guard before
+/// it restores any cgroup.
+struct Signals {
+    terminate: Signal,
+    interrupt: Signal,
+    hangup: Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Self, DaemonError> {
+        let install = |kind| signal(kind).map_err(DaemonError::Signal);
+        Ok(Self {
+            terminate: install(SignalKind::terminate())?,
+            interrupt: install(SignalKind::interrupt())?,
+            hangup: install(SignalKind::hangup())?,
+        })
     }
 
-    let scheduler = Scheduler::new(&config, metrics.clone());
-    let ttft = Arc::new(TtftWindow::default());
-    let tally = Arc::new(Tally::new(&metrics));
-    let throughput = Arc::new(proxy::Throughput::default());
-    let resume_kinds = Arc::new(proxy::resumes::ResumeKinds::default());
-    let running: watchers::RunningFn = {
-        let scheduler = Arc::clone(&scheduler);
-        Arc::new(move || scheduler.load().1)
-    };
-    let watched = watchers::spawn(
-        &config,
-        &metrics,
-        upstream::Client::new(&config.upstream),
-        running,
-    );
-    let proxy = Arc::new(Proxy::new(
-        &config,
-        proxy::Parts {
+    /// Waits for SIGTERM or SIGINT; each SIGHUP meanwhile reloads the config and hands the
+    /// new one to `configs`' watchers.
+    async fn until_stopped(
+        &mut self,
+        mut config: Config,
+        path: Option<&std::path::Path>,
+        parts: &Parts,
+        configs: &watch::Sender<Config>,
+    ) {
+        loop {
+            tokio::select! {
+                _ = self.terminate.recv() => { tracing::info!("SIGTERM"); return; }
+                _ = self.interrupt.recv() => { tracing::info!("SIGINT"); return; }
+                _ = self.hangup.recv() => {
+                    config = reload(config, path, &parts.proxy, &parts.metrics);
+                    configs.send_replace(config.clone());
+                }
+            }
+        }
+    }
+}
+
+/// What serves, made from the setup: the proxy and the owners of what it shares with the
+/// other tasks and with `/status`.
+struct Parts {
+    metrics: Metrics,
+    throttler: Arc<Mutex<Throttler>>,
+    ebpf: Arc<Mutex<EbpfState>>,
+    scheduler: Arc<Scheduler>,
+    watched: Arc<Watched>,
+    ttft: Arc<TtftWindow>,
+    tally: Arc<Tally>,
+    throughput: Arc<proxy::Throughput>,
+    resume_kinds: Arc<proxy::resumes::ResumeKinds>,
+    proxy: Arc<Proxy>,
+}
+
+impl Parts {
+    /// Starts reading the kernel program (and reaping from its events), the upstream watchers
+    /// and the scheduler, and makes the proxy over them.
+    fn start(
+        config: &Config,
+        metrics: Metrics,
+        throttler: Throttler,
+        ebpf: Result<Loaded, EbpfError>,
+        listen_ports: Vec<u16>,
+    ) -> Result<Self, DaemonError> {
+        let (ebpf, events) = start_ebpf(ebpf, &listen_ports);
+        metrics.ebpf_attached.set(i64::from(ebpf.tracker.is_some()));
+        let tracker = ebpf.tracker.clone();
+        let connections = Arc::new(Registry::default());
+        if let Some(events) = events {
+            tokio::spawn(reaper::run(events, Arc::clone(&connections), listen_ports));
+        }
+        let scheduler = Scheduler::new(config, metrics.clone());
+        let running: watchers::RunningFn = {
+            let scheduler = Arc::clone(&scheduler);
+            Arc::new(move || scheduler.load().1)
+        };
+        let upstream = upstream::Client::new(&config.upstream);
+        let watched = watchers::spawn(config, &metrics, upstream, running);
+        let ttft = Arc::new(TtftWindow::default());
+        let tally = Arc::new(Tally::new(&metrics));
+        let throughput = Arc::new(proxy::Throughput::default());
+        let resume_kinds = Arc::new(proxy::resumes::ResumeKinds::default());
+        let proxy_parts = proxy::Parts {
             metrics: metrics.clone(),
             scheduler: Arc::clone(&scheduler),
             connections,
@@ -164,26 +261,67 @@ pub async fn run(
             tally: Arc::clone(&tally),
             throughput: Arc::clone(&throughput),
             resume_kinds: Arc::clone(&resume_kinds),
-        },
-    )?);
-    let risk_view = Arc::new(risk::RiskView::default());
-    let sources = StatusSources {
-        config: config.clone(),
-        config_path: config_path.clone(),
-        metrics: metrics.clone(),
-        ebpf: Arc::clone(&ebpf),
-        scheduler: Arc::clone(&scheduler),
-        watched: Arc::clone(&watched),
-        risk: Arc::clone(&risk_view),
-        throttler: Arc::clone(&throttler),
-        tally,
-        throughput,
-        resume_kinds,
-        started,
-    };
-    let sources = Arc::new(sources);
+        };
+        let proxy = Arc::new(Proxy::new(config, proxy_parts)?);
+        Ok(Self {
+            metrics,
+            throttler: Arc::new(Mutex::new(throttler)),
+            ebpf: Arc::new(Mutex::new(ebpf)),
+            scheduler,
+            watched,
+            ttft,
+            tally,
+            throughput,
+            resume_kinds,
+            proxy,
+        })
+    }
+
+    /// Where `/status`, the model-server view and the agent check read from.
+    fn status_sources(
+        &self,
+        config: &Config,
+        config_path: Option<PathBuf>,
+        started: Instant,
+    ) -> StatusSources {
+        StatusSources {
+            config: config.clone(),
+            config_path,
+            metrics: self.metrics.clone(),
+            ebpf: Arc::clone(&self.ebpf),
+            scheduler: Arc::clone(&self.scheduler),
+            watched: Arc::clone(&self.watched),
+            risk: Arc::new(risk::RiskView::default()),
+            throttler: Arc::clone(&self.throttler),
+            tally: Arc::clone(&self.tally),
+            throughput: Arc::clone(&self.throughput),
+            resume_kinds: Arc::clone(&self.resume_kinds),
+            started,
+        }
+    }
+
+    /// The risk detector, writing to the view `/status` reads.
+    fn detector(&self, view: &Arc<risk::RiskView>) -> risk::Detector {
+        risk::Detector {
+            scheduler: Arc::clone(&self.scheduler),
+            watched: Arc::clone(&self.watched),
+            metrics: self.metrics.clone(),
+            throttler: Arc::clone(&self.throttler),
+            ttft: Arc::clone(&self.ttft),
+            view: Arc::clone(view),
+        }
+    }
+}
+
+/// Serves `/metrics`, `/status` and the model-server view.
+fn spawn_metrics(
+    config: &Config,
+    metrics: &Metrics,
+    listeners: Vec<TcpListener>,
+    sources: &Arc<StatusSources>,
+) -> Result<JoinHandle<()>, DaemonError> {
     let status: metrics::StatusFn = {
-        let sources = Arc::clone(&sources);
+        let sources = Arc::clone(sources);
         Arc::new(move || serde_json::to_string(&sources.status()).unwrap_or_default())
     };
     let limits = metrics::Limits {
@@ -196,96 +334,76 @@ pub async fn run(
     let extra = metrics::Extra {
         path: config.cluster.model_server_path.clone(),
         render: {
-            let sources = Arc::clone(&sources);
+            let sources = Arc::clone(sources);
             Arc::new(move || model_server.render(&sources.cluster()))
         },
     };
-    let metrics_task = tokio::spawn(metrics::serve(
-        metrics_listeners,
+    Ok(tokio::spawn(metrics::serve(
+        listeners,
         metrics.clone(),
         status,
         limits,
         extra,
-    ));
-    let agent_task = match setup.agent {
-        Some(listener) => {
-            let listener = listener.into_tokio()?;
-            let sources = Arc::clone(&sources);
-            let refused = metrics
-                .connections_refused_total
-                .with_label_values(&["agent"]);
-            let line: crate::cluster::agent::LineFn = Arc::new(move || sources.cluster().agent);
-            Some(tokio::spawn(crate::cluster::agent::serve(
-                listener, line, refused,
-            )))
-        }
-        None => None,
-    };
-    let (configs, configs_seen) = watch::channel(config.clone());
-    let risk_task = tokio::spawn(risk::run(
-        configs_seen,
-        risk::Detector {
-            scheduler: Arc::clone(&scheduler),
-            watched: Arc::clone(&watched),
-            metrics: metrics.clone(),
-            throttler: Arc::clone(&throttler),
-            ttft: Arc::clone(&ttft),
-            view: risk_view,
-        },
-    ));
-    let (stop, stopped) = watch::channel(false);
-    let grace = Duration::from_millis(config.server.drain_grace_ms);
-    let workers = proxy::Workers::per_cpu()?;
-    let proxy_task = tokio::spawn(proxy::serve(
-        proxy_listeners,
-        Arc::clone(&proxy),
-        stopped,
-        grace,
-        workers,
-    ));
-    tracing::info!(
-        listen = %config.server.listen,
-        upstream = %config.upstream.url,
-        metrics = %config.metrics.listen,
-        "guard is serving"
-    );
+    )))
+}
 
-    let mut config = config;
-    loop {
-        tokio::select! {
-            _ = terminate.recv() => { tracing::info!("SIGTERM"); break; }
-            _ = interrupt.recv() => { tracing::info!("SIGINT"); break; }
-            _ = hangup.recv() => {
-                config = reload(config, config_path.as_deref(), &proxy, &metrics);
-                configs.send_replace(config.clone());
-            }
-        }
-    }
+/// Answers HAProxy's agent check (`cluster.agent_listen`).
+fn spawn_agent(
+    bound: Bound,
+    metrics: &Metrics,
+    sources: &Arc<StatusSources>,
+) -> Result<JoinHandle<()>, DaemonError> {
+    let listener = bound.into_tokio()?;
+    let sources = Arc::clone(sources);
+    let refused = metrics
+        .connections_refused_total
+        .with_label_values(&["agent"]);
+    let line: crate::cluster::agent::LineFn = Arc::new(move || sources.cluster().agent);
+    Ok(tokio::spawn(crate::cluster::agent::serve(
+        listener, line, refused,
+    )))
+}
+
+/// The tasks that run until shutdown.
+struct Tasks {
+    /// Tells the proxy to stop taking connections.
+    stop: watch::Sender<bool>,
+    proxy: JoinHandle<()>,
+    metrics: JoinHandle<()>,
+    agent: Option<JoinHandle<()>>,
+    risk: JoinHandle<()>,
+}
+
+/// Stops in order: no new connections, queued requests refused, running ones given the
+/// grace to finish; then every cgroup put back and the kernel program let go.
+async fn shut_down(tasks: Tasks, parts: &Parts) {
     tracing::info!(
         "stopping: no new connections; queued requests get 503; running ones may finish"
     );
-    let _ = stop.send(true);
-    scheduler.shut_down();
-    if let Err(err) = proxy_task.await {
+    let _ = tasks.stop.send(true);
+    parts.scheduler.shut_down();
+    if let Err(err) = tasks.proxy.await {
         tracing::error!(%err, "proxy task failed");
     }
-    metrics_task.abort();
-    if let Some(agent) = agent_task {
+    tasks.metrics.abort();
+    if let Some(agent) = tasks.agent {
         agent.abort();
     }
-    risk_task.abort();
-    throttler
+    tasks.risk.abort();
+    parts
+        .throttler
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .restore(crate::throttle::Reason::Shutdown);
     // The program detaches when the last holder of the tracker lets go (the proxy holds one
     // too); the process exit that follows closes it at the latest.
-    ebpf.lock()
+    parts
+        .ebpf
+        .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .tracker
         .take();
     tracing::info!("stopped");
-    Ok(())
 }
 
 /// Each waiting client holds a socket: lift the soft limit on open files to the hard one.
@@ -363,12 +481,13 @@ fn start_ebpf(
             (state, Some(events))
         }
         Err(err) => {
+            let why = crate::error_chain(&err);
             tracing::warn!(
-                "eBPF is off: {err}; guard runs on and notices departed clients in user space"
+                "eBPF is off: {why}; guard runs on and notices departed clients in user space"
             );
             let state = EbpfState {
                 tracker: None,
-                unavailable: Some(err.to_string()),
+                unavailable: Some(why),
             };
             (state, None)
         }
@@ -451,7 +570,8 @@ fn reload(
                 .config_reloads_total
                 .with_label_values(&[RELOAD_REFUSED])
                 .inc();
-            tracing::error!("SIGHUP: config refused, the running one stays: {err}");
+            let why = crate::error_chain(&err);
+            tracing::error!("SIGHUP: config refused, the running one stays: {why}");
             current
         }
     }

@@ -1,6 +1,10 @@
 //! `guard doctor`: one line per thing guard needs from this host, ok or missing with the fix.
 
-use std::{net::TcpStream, path::Path, time::Duration};
+use std::{
+    net::{SocketAddr, TcpStream},
+    path::Path,
+    time::Duration,
+};
 
 use crate::{config::Config, reap::ebpf};
 
@@ -8,19 +12,60 @@ use crate::{config::Config, reap::ebpf};
 pub struct Check {
     pub name: &'static str,
     /// What was found, or what is missing and how to fix it.
-    pub result: Result<String, String>,
+    pub result: Result<String, Missing>,
+}
+
+/// What a check found missing, and how to fix it.
+#[derive(Debug, thiserror::Error)]
+pub enum Missing {
+    #[error(transparent)]
+    Ebpf(#[from] ebpf::PreflightError),
+    #[error("no cgroup filesystem mounted: mount cgroup2 at /sys/fs/cgroup")]
+    NoCgroups,
+    #[error(
+        "no libnvidia-ml.so.1: no NVIDIA driver here; GPU metrics stay off \
+         (guard_gpu_available 0). Install the driver where there is a GPU."
+    )]
+    NoNvml,
+    #[error("{authority} cannot be resolved")]
+    Resolve {
+        authority: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{authority} resolves to nothing")]
+    NoAddress { authority: String },
+    #[error(
+        "{url} does not accept connections (start the inference server there, or set \
+         upstream.url)"
+    )]
+    Upstream {
+        url: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot listen on {addr} (another guard running? else change {key})")]
+    Listen {
+        addr: SocketAddr,
+        key: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Runs every check against `config`.
 pub fn run(config: &Config) -> Vec<Check> {
     let mut checks: Vec<Check> = ebpf::preflight()
         .into_iter()
-        .map(|(name, result)| Check { name, result })
+        .map(|(name, result)| Check {
+            name,
+            result: result.map_err(Missing::from),
+        })
         .collect();
     let ebpf_ready = checks.iter().all(|c| c.result.is_ok());
     checks.push(Check {
         name: "client closes seen",
-        result: ebpf::close_detection(config.ebpf.enabled),
+        result: ebpf::close_detection(config.ebpf.enabled).map_err(Missing::from),
     });
     checks.push(Check {
         name: "cgroups",
@@ -60,9 +105,11 @@ pub fn run(config: &Config) -> Vec<Check> {
             name,
             result: match std::net::TcpListener::bind(addr) {
                 Ok(_) => Ok(format!("{addr} is free")),
-                Err(err) => Err(format!(
-                    "{addr}: {err} (another guard running? else change {name})"
-                )),
+                Err(source) => Err(Missing::Listen {
+                    addr,
+                    key: name,
+                    source,
+                }),
             },
         });
     }
@@ -75,10 +122,10 @@ pub fn render(checks: &[Check]) -> (String, bool) {
     let mut all_ok = true;
     for check in checks {
         let (word, text) = match &check.result {
-            Ok(text) => ("ok     ", text),
-            Err(text) => {
+            Ok(text) => ("ok     ", text.clone()),
+            Err(missing) => {
                 all_ok = false;
-                ("missing", text)
+                ("missing", crate::error_chain(missing))
             }
         };
         out.push_str(&format!("{word} {:<38} {text}\n", check.name));
@@ -86,7 +133,7 @@ pub fn render(checks: &[Check]) -> (String, bool) {
     (out, all_ok)
 }
 
-fn cgroups() -> Result<String, String> {
+fn cgroups() -> Result<String, Missing> {
     let v2 = crate::throttle::cgroup::mounts()
         .into_iter()
         .find(|m| m.v1_controllers.is_none())
@@ -98,9 +145,7 @@ fn cgroups() -> Result<String, String> {
         .and_then(|root| std::fs::read_to_string(root.join("cgroup.controllers")).ok())
         .is_some_and(|controllers| controllers.split_whitespace().any(|c| c == "cpu"));
     match v2 {
-        None if !v1_cpu && !v1_freezer => {
-            Err("no cgroup filesystem mounted: mount cgroup2 at /sys/fs/cgroup".to_owned())
-        }
+        None if !v1_cpu && !v1_freezer => Err(Missing::NoCgroups),
         _ => Ok(format!(
             "v2 at {} (freeze{}), v1 cpu quota {}, v1 freezer {}",
             v2.as_ref()
@@ -145,7 +190,7 @@ fn capabilities(config: &Config, ebpf_ready: bool) -> String {
     format!("held here: {held}; guard keeps after start: {kept}; {peers}")
 }
 
-fn nvml() -> Result<String, String> {
+fn nvml() -> Result<String, Missing> {
     const LIBRARY_DIRS: &[&str] = &[
         "/usr/lib/x86_64-linux-gnu",
         "/usr/lib64",
@@ -157,11 +202,7 @@ fn nvml() -> Result<String, String> {
         .map(|dir| Path::new(dir).join("libnvidia-ml.so.1"))
         .find(|path| path.exists())
         .map(|path| format!("{} present", path.display()))
-        .ok_or_else(|| {
-            "no libnvidia-ml.so.1: no NVIDIA driver here; GPU metrics stay off \
-             (guard_gpu_available 0). Install the driver where there is a GPU."
-                .to_owned()
-        })
+        .ok_or(Missing::NoNvml)
 }
 
 /// How a preemptible class's requests go on: from the exact token ids where the upstream is
@@ -206,18 +247,21 @@ fn get(config: &Config, path: &str) -> Option<Vec<u8>> {
     (response.code == Some(200)).then(|| answer[at..].to_vec())
 }
 
-fn upstream(config: &Config) -> Result<String, String> {
+fn upstream(config: &Config) -> Result<String, Missing> {
     let authority = config.upstream.url.authority();
     let addr = std::net::ToSocketAddrs::to_socket_addrs(authority.as_str())
-        .map_err(|e| format!("{authority}: {e}"))?
+        .map_err(|source| Missing::Resolve {
+            authority: authority.to_string(),
+            source,
+        })?
         .next()
-        .ok_or_else(|| format!("{authority} resolves to nothing"))?;
+        .ok_or_else(|| Missing::NoAddress {
+            authority: authority.to_string(),
+        })?;
     TcpStream::connect_timeout(&addr, Duration::from_secs(2))
         .map(|_| format!("{} accepts connections", config.upstream.url))
-        .map_err(|err| {
-            format!(
-                "{}: {err}: start the inference server there, or set upstream.url",
-                config.upstream.url
-            )
+        .map_err(|source| Missing::Upstream {
+            url: config.upstream.url.to_string(),
+            source,
         })
 }

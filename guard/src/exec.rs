@@ -12,12 +12,12 @@ pub enum ExecError {
     UnknownClass { class: String, known: String },
     #[error("class {class} has no cgroup: set class.{class}.cgroup in the config")]
     NoCgroup { class: String },
-    #[error("cannot create or enter cgroup {}: {source}", path.display())]
+    #[error("cannot create or enter cgroup {}", path.display())]
     Cgroup {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("cannot run {command}: {source}")]
+    #[error("cannot run {command}")]
     Spawn {
         command: String,
         source: std::io::Error,

@@ -8,6 +8,7 @@ pub mod cluster;
 pub mod config;
 pub mod daemon;
 pub mod doctor;
+mod error_chain;
 pub mod exec;
 pub mod fuzz;
 pub mod jsonscan;
@@ -28,3 +29,5 @@ pub mod status;
 pub mod throttle;
 pub mod upstream;
 pub mod watch;
+
+pub use error_chain::error_chain;

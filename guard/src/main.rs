@@ -27,7 +27,7 @@ fn main() -> ExitCode {
     match run(cli.command) {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("guard: {err:#}");
+            eprintln!("guard: {}", guard::error_chain(err.as_ref()));
             ExitCode::FAILURE
         }
     }
@@ -79,7 +79,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 Err(err) => return Ok(bad_config(&err)),
             };
             let err = guard::exec::exec(&config, &class, &command);
-            eprintln!("guard exec: {err}");
+            eprintln!("guard exec: {}", guard::error_chain(&err));
             Ok(ExitCode::from(EXIT_BAD_CONFIG))
         }
         Command::Bench(args) => bench(*args),
@@ -116,7 +116,7 @@ fn run_daemon(config: Option<PathBuf>) -> anyhow::Result<ExitCode> {
         Ok(setup) => setup,
         // A class cgroup that cannot be used is a configuration error.
         Err(daemon::DaemonError::Throttle(err)) => {
-            eprintln!("guard: bad config: {err}");
+            eprintln!("guard: bad config: {}", guard::error_chain(&err));
             return Ok(ExitCode::from(EXIT_BAD_CONFIG));
         }
         Err(err) => return Err(err.into()),
@@ -128,7 +128,10 @@ fn run_daemon(config: Option<PathBuf>) -> anyhow::Result<ExitCode> {
             "capabilities dropped"
         ),
         Ok(_) => {}
-        Err(err) => tracing::warn!(%err, "guard keeps capabilities it does not need"),
+        Err(err) => {
+            let error = guard::error_chain(&err);
+            tracing::warn!(%error, "guard keeps capabilities it does not need");
+        }
     }
     runtime()?.block_on(daemon::run(config, path, setup))?;
     Ok(ExitCode::SUCCESS)
@@ -224,7 +227,8 @@ fn restore(state_dir: &std::path::Path) -> bool {
             }
             Restored::Failed { record, reason } => {
                 all_ok = false;
-                tracing::error!(record = %record.display(), reason, "could not restore");
+                let reason = guard::error_chain(&reason);
+                tracing::error!(record = %record.display(), %reason, "could not restore");
             }
         }
     }
@@ -240,7 +244,7 @@ fn load(path: Option<PathBuf>) -> Result<(Config, Option<PathBuf>), ConfigError>
 }
 
 fn bad_config(err: &ConfigError) -> ExitCode {
-    eprintln!("guard: bad config: {err}");
+    eprintln!("guard: bad config: {}", guard::error_chain(err));
     ExitCode::from(EXIT_BAD_CONFIG)
 }
 

@@ -7,7 +7,7 @@ use caps::{CapSet, Capability, CapsHashSet};
 use crate::config::{Config, FairBy};
 
 #[derive(Debug, thiserror::Error)]
-#[error("cannot drop capabilities ({set:?}): {source}")]
+#[error("cannot drop capabilities ({set:?})")]
 pub struct PrivilegeError {
     set: CapSet,
     #[source]

@@ -1,7 +1,7 @@
 //! Bearer tokens, held only as SHA-256 digests and compared in constant time: the config may
 //! name a digest or a file instead of the token, and no comparison leaks how much matched.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use http::{HeaderMap, header};
 use sha2::{Digest as _, Sha256};
@@ -12,6 +12,23 @@ const MAX_TOKEN_FILE_BYTES: u64 = 4096;
 
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret([u8; 32]);
+
+/// Why a configured secret cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    #[error("not a SHA-256 digest: give 64 hex digits")]
+    NotDigest(#[source] hex::FromHexError),
+    #[error("cannot read {}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} is longer than {MAX_TOKEN_FILE_BYTES} bytes: not a token file", path.display())]
+    TooLong { path: PathBuf },
+    #[error("{} holds no token", path.display())]
+    Empty { path: PathBuf },
+}
 
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -26,31 +43,34 @@ impl Secret {
     }
 
     /// A secret given as the hex SHA-256 digest of its token (`echo -n TOKEN | sha256sum`).
-    pub fn from_hex(digest: &str) -> Result<Self, String> {
+    pub fn from_hex(digest: &str) -> Result<Self, SecretError> {
         let mut bytes = [0u8; 32];
-        hex::decode_to_slice(digest.trim(), &mut bytes)
-            .map_err(|_| "not a SHA-256 digest: give 64 hex digits".to_owned())?;
+        hex::decode_to_slice(digest.trim(), &mut bytes).map_err(SecretError::NotDigest)?;
         Ok(Self(bytes))
     }
 
     /// A secret whose token is the first line of a file (surrounding whitespace dropped).
-    pub fn from_file(path: &Path) -> Result<Self, String> {
+    pub fn from_file(path: &Path) -> Result<Self, SecretError> {
         use std::io::Read as _;
-        let file = std::fs::File::open(path)
-            .map_err(|err| format!("cannot read {}: {err}", path.display()))?;
+        let read = |source| SecretError::Read {
+            path: path.to_owned(),
+            source,
+        };
+        let file = std::fs::File::open(path).map_err(read)?;
         let mut text = String::new();
         file.take(MAX_TOKEN_FILE_BYTES + 1)
             .read_to_string(&mut text)
-            .map_err(|err| format!("cannot read {}: {err}", path.display()))?;
+            .map_err(read)?;
         if text.len() as u64 > MAX_TOKEN_FILE_BYTES {
-            return Err(format!(
-                "{} is longer than {MAX_TOKEN_FILE_BYTES} bytes: not a token file",
-                path.display()
-            ));
+            return Err(SecretError::TooLong {
+                path: path.to_owned(),
+            });
         }
         let token = text.lines().next().unwrap_or_default().trim();
         if token.is_empty() {
-            return Err(format!("{} holds no token", path.display()));
+            return Err(SecretError::Empty {
+                path: path.to_owned(),
+            });
         }
         Ok(Self::of(token))
     }
@@ -84,15 +104,30 @@ mod tests {
         assert!(secret.matches("nightly"));
         assert!(!secret.matches("nightl") && !secret.matches("nightly ") && !secret.matches(""));
         let digest = hex::encode(Sha256::digest(b"nightly"));
-        assert_eq!(Secret::from_hex(&digest), Ok(secret.clone()));
-        assert!(Secret::from_hex("abc").is_err());
+        assert_eq!(Secret::from_hex(&digest).expect("a digest"), secret);
+        assert!(matches!(
+            Secret::from_hex("abc"),
+            Err(SecretError::NotDigest(_))
+        ));
         let dir = std::env::temp_dir().join(format!("guard-secret-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("dir");
         let file = dir.join("token");
         std::fs::write(&file, "nightly\n").expect("write");
-        assert_eq!(Secret::from_file(&file), Ok(secret.clone()));
+        assert_eq!(Secret::from_file(&file).expect("a token file"), secret);
         std::fs::write(&file, "\n").expect("write");
-        assert!(Secret::from_file(&file).is_err());
+        assert!(matches!(
+            Secret::from_file(&file),
+            Err(SecretError::Empty { .. })
+        ));
+        let missing = dir.join("missing");
+        let err = Secret::from_file(&missing).expect_err("no such file");
+        assert_eq!(
+            crate::error_chain(&err),
+            format!(
+                "cannot read {}: no such file or directory",
+                missing.display()
+            )
+        );
         std::fs::remove_dir_all(&dir).expect("clean up");
         assert_eq!(format!("{secret:?}"), "Secret(..)");
     }

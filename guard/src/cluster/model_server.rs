@@ -48,7 +48,8 @@ impl ModelServer {
         self.usage.set(view.usage);
         let mut out = Vec::new();
         if let Err(err) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
-            tracing::warn!(%err, "cannot render the model-server view");
+            let error = crate::error_chain(&err);
+            tracing::warn!(%error, "cannot render the model-server view");
         }
         String::from_utf8(out).unwrap_or_default()
     }

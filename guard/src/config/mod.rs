@@ -16,7 +16,7 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-pub use error::ConfigError;
+pub use error::{CidrError, ConfigError, Problem, ThrottleModeError, UrlError};
 pub use listen::{Listen, overlap};
 
 /// Where `guard run` looks when `--config` is not given.
@@ -635,7 +635,7 @@ impl std::fmt::Display for Throttle {
 }
 
 impl std::str::FromStr for Throttle {
-    type Err = String;
+    type Err = ThrottleModeError;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
         if text == "freeze" {
@@ -645,8 +645,8 @@ impl std::str::FromStr for Throttle {
             .strip_prefix("cpu:")
             .and_then(|n| n.parse::<u32>().ok())
             .filter(|n| (1..=100_000).contains(n));
-        percent.map(Self::Cpu).ok_or_else(|| {
-            format!("unknown throttle mode `{text}`: use \"freeze\" or \"cpu:N\" (N percent of one CPU, 1 or more)")
+        percent.map(Self::Cpu).ok_or_else(|| ThrottleModeError {
+            text: text.to_owned(),
         })
     }
 }
@@ -698,11 +698,11 @@ impl Config {
             let key = err.path().to_string();
             let span = err.inner().span();
             let message = err.inner().message().to_owned();
-            ConfigError::invalid(file, text, &key, span, message)
+            ConfigError::invalid(file, text, &key, span, Problem::Said(message))
         })?;
         let mut config = config;
         let fail = |invalid: validate::Invalid| {
-            ConfigError::invalid(file, text, &invalid.key, None, invalid.message)
+            ConfigError::invalid(file, text, &invalid.key, None, invalid.problem)
         };
         config.validate().map_err(fail)?;
         config
@@ -740,10 +740,14 @@ impl Config {
 }
 
 /// Parses `10.0.0.0/8`, `::1/128` or a bare address (a single host).
-pub fn parse_cidr(text: &str) -> Result<ipnet::IpNet, String> {
+pub fn parse_cidr(text: &str) -> Result<ipnet::IpNet, CidrError> {
+    // Not a block: then a bare address, whose error is the one worth showing.
     text.parse::<ipnet::IpNet>()
         .or_else(|_| text.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
-        .map_err(|_| format!("`{text}` is not an address or CIDR block"))
+        .map_err(|source| CidrError {
+            text: text.to_owned(),
+            source,
+        })
 }
 
 /// The upstream's address: an `http://host:port` URL, parsed once, when the config is read.
@@ -754,22 +758,24 @@ pub struct UpstreamUrl {
 }
 
 impl UpstreamUrl {
-    pub fn parse(url: &str) -> Result<Self, String> {
-        let uri: http::Uri = url
-            .parse()
-            .map_err(|err| format!("`{url}` is not a URL: {err}"))?;
+    pub fn parse(url: &str) -> Result<Self, UrlError> {
+        let uri: http::Uri = url.parse().map_err(|source| UrlError::NotUrl {
+            url: url.to_owned(),
+            source,
+        })?;
+        let url_owned = || url.to_owned();
         if uri.scheme_str() != Some("http") {
-            return Err(format!("`{url}`: only http:// upstreams are supported"));
+            return Err(UrlError::NotHttp { url: url_owned() });
         }
         if uri.path() != "/" && !uri.path().is_empty() {
-            return Err(format!("`{url}`: give scheme, host and port only, no path"));
+            return Err(UrlError::HasPath { url: url_owned() });
         }
         let authority = uri
             .authority()
             .cloned()
-            .ok_or(format!("`{url}` has no host"))?;
+            .ok_or_else(|| UrlError::NoHost { url: url_owned() })?;
         if authority.port_u16().is_none() {
-            return Err(format!("`{url}` has no port"));
+            return Err(UrlError::NoPort { url: url_owned() });
         }
         Ok(Self {
             text: url.to_owned(),
@@ -794,9 +800,9 @@ impl std::fmt::Display for UpstreamUrl {
 }
 
 impl std::str::FromStr for UpstreamUrl {
-    type Err = String;
+    type Err = UrlError;
 
-    fn from_str(url: &str) -> Result<Self, String> {
+    fn from_str(url: &str) -> Result<Self, UrlError> {
         Self::parse(url)
     }
 }
@@ -810,7 +816,8 @@ impl Serialize for UpstreamUrl {
 impl<'de> Deserialize<'de> for UpstreamUrl {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let text = String::deserialize(deserializer)?;
-        Self::parse(&text).map_err(serde::de::Error::custom)
+        // The TOML error carries text only: the chain goes in whole.
+        Self::parse(&text).map_err(|err| serde::de::Error::custom(crate::error_chain(&err)))
     }
 }
 

@@ -9,8 +9,8 @@ fn parse(text: &str) -> Result<Config, ConfigError> {
 fn invalid(text: &str) -> (Option<usize>, String, String) {
     match parse(text) {
         Err(ConfigError::Invalid {
-            line, key, message, ..
-        }) => (line, key, message),
+            line, key, problem, ..
+        }) => (line, key, crate::error_chain(&problem)),
         other => panic!("expected an invalid config, got {other:?}"),
     }
 }
@@ -76,6 +76,31 @@ fn semantic_errors_name_key_and_line() {
     assert_eq!(key, "classify.rule[0].source");
     let (_, key, _) = invalid("[[classify.rule]]\nclass = \"batch\"\n");
     assert_eq!(key, "classify.rule[0].class");
+}
+
+#[test]
+fn a_value_that_meets_an_error_says_file_line_key_and_the_error_once() {
+    let said = |text: &str| crate::error_chain(&parse(text).expect_err("refused"));
+    let token = std::env::temp_dir().join(format!("guard-no-token-{}", std::process::id()));
+    let text = format!("[metrics]\nbearer_token_file = \"{}\"\n", token.display());
+    assert_eq!(
+        said(&text),
+        format!(
+            "test.toml:2: metrics.bearer_token_file: cannot read {}: no such file or directory",
+            token.display()
+        )
+    );
+    assert_eq!(
+        said("[[classify.rule]]\nclass = \"batch\"\nsource = \"10.0.0.0/99\"\n"),
+        "test.toml:3: classify.rule[0].source: `10.0.0.0/99` is not an address or CIDR block: \
+         invalid IP address syntax"
+    );
+    let url = said("[upstream]\nurl = \"http://x:1/v1\"\n");
+    assert!(
+        url.starts_with("test.toml:2: upstream.url: ")
+            && url.contains("`http://x:1/v1`: give scheme, host and port only, no path"),
+        "{url}"
+    );
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 use std::{net::SocketAddr, path::Path};
 
-use super::{Config, ResolvedRule, RuleConfig, UidSpec, overlap, parse_cidr};
+use super::{Config, Problem, ResolvedRule, RuleConfig, UidSpec, overlap, parse_cidr};
 use crate::secret::Secret;
 
 /// The longest duration any `_ms` key may name: a week. Longer is surely a typo, and keeps
@@ -22,14 +22,19 @@ pub const MAX_CONNECTIONS: u64 = 1_000_000;
 #[derive(Debug)]
 pub(super) struct Invalid {
     pub key: String,
-    pub message: String,
+    pub problem: Problem,
 }
 
 impl Invalid {
     fn new(key: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::caused(key, Problem::Said(message.into()))
+    }
+
+    /// The key and the error its value met.
+    fn caused(key: impl Into<String>, problem: impl Into<Problem>) -> Self {
         Self {
             key: key.into(),
-            message: message.into(),
+            problem: problem.into(),
         }
     }
 }
@@ -236,7 +241,7 @@ impl Config {
             if !path.starts_with('/') {
                 return Err(Invalid::new(key, format!("`{path}` must start with /")));
             }
-            crate::route::normalize(path).map_err(|err| Invalid::new(key, err.to_string()))?;
+            crate::route::normalize(path).map_err(|err| Invalid::caused(key, err))?;
         }
         Ok(())
     }
@@ -348,7 +353,7 @@ impl Config {
                 ));
             }
             rule.check()
-                .map_err(|field| Invalid::new(key(&field.key), field.message))?;
+                .map_err(|field| Invalid::caused(key(&field.key), field.problem))?;
         }
         Ok(())
     }
@@ -360,13 +365,13 @@ impl Config {
     pub(super) fn resolve(&mut self, dir: &Path) -> Result<(), Invalid> {
         if let Some(file) = &self.metrics.bearer_token_file {
             let secret = Secret::from_file(&dir.join(file))
-                .map_err(|message| Invalid::new("metrics.bearer_token_file", message))?;
+                .map_err(|err| Invalid::caused("metrics.bearer_token_file", err))?;
             self.metrics.bearer = Some(secret);
         }
         for (index, rule) in self.classify.rule.iter_mut().enumerate() {
             rule.resolved = rule.resolve(dir).map_err(|field| Invalid {
                 key: format!("classify.rule[{index}].{}", field.key),
-                message: field.message,
+                problem: field.problem,
             })?;
         }
         Ok(())
@@ -378,10 +383,11 @@ impl RuleConfig {
         let bearer = match (&self.bearer, &self.bearer_sha256, &self.bearer_file) {
             (Some(token), None, None) => Some(Secret::of(token)),
             (None, Some(digest), None) => {
-                Some(Secret::from_hex(digest).map_err(|m| Invalid::new("bearer_sha256", m))?)
+                Some(Secret::from_hex(digest).map_err(|e| Invalid::caused("bearer_sha256", e))?)
             }
             (None, None, Some(file)) => Some(
-                Secret::from_file(&dir.join(file)).map_err(|m| Invalid::new("bearer_file", m))?,
+                Secret::from_file(&dir.join(file))
+                    .map_err(|e| Invalid::caused("bearer_file", e))?,
             ),
             (None, None, None) => None,
             _ => {
@@ -470,11 +476,11 @@ impl RuleConfig {
             ("header.value", &header_value),
         ] {
             if let Some(glob) = glob {
-                globset::Glob::new(glob).map_err(|err| Invalid::new(field, err.to_string()))?;
+                globset::Glob::new(glob).map_err(|err| Invalid::caused(field, err))?;
             }
         }
         if let Some(source) = &self.source {
-            parse_cidr(source).map_err(|err| Invalid::new("source", err))?;
+            parse_cidr(source).map_err(|err| Invalid::caused("source", err))?;
         }
         Ok(())
     }

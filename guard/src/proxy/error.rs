@@ -58,7 +58,8 @@ pub enum ProxyError {
     RemoteModel { class: String, model: String },
     #[error(transparent)]
     Upstream(#[from] UpstreamError),
-    #[error("upstream unreachable")]
+    /// Its own words say what failed: "cannot connect to 127.0.0.1:8080: connection refused".
+    #[error(transparent)]
     Exchange(#[from] ExchangeError),
     #[error("upstream did not answer within {} ms", .0.as_millis())]
     UpstreamTimeout(Duration),
@@ -281,6 +282,65 @@ mod tests {
             body["error"]["message"]
                 .as_str()
                 .is_some_and(|m| m.contains("batch"))
+        );
+    }
+
+    /// An address nothing listens on: a port the kernel gave out, closed again.
+    fn closed_port() -> std::net::SocketAddr {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+    }
+
+    #[tokio::test]
+    async fn a_dead_upstream_is_a_502_that_says_the_refused_connect_once() {
+        use crate::upstream::exchange::{Connector, Dial, Exchange};
+        let addr = closed_port();
+        let dial = Dial::Tcp {
+            authority: addr.to_string(),
+            connect_timeout: Duration::from_secs(5),
+        };
+        let request = http::Request::post("/api/chat")
+            .body(full("{}"))
+            .expect("request");
+        let Err(err) = Exchange::start(&Connector::new(dial, 1), request).await else {
+            panic!("nothing listens on {addr}");
+        };
+        assert_eq!(
+            error_chain(&err),
+            format!("cannot connect to {addr}: connection refused"),
+            "the log's words"
+        );
+        let response = ProxyError::from(err).into_response(ErrorShape::Openai);
+        assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
+        let body = body_json(response).await;
+        assert_eq!(
+            body["error"]["message"],
+            format!("guard: cannot connect to {addr}: connection refused")
+        );
+        assert_eq!(body["error"]["code"], "upstream_unreachable");
+    }
+
+    #[tokio::test]
+    async fn a_dead_upstream_reads_the_same_on_a_pass_through_request() {
+        let addr = closed_port();
+        let upstream = crate::upstream::Client::new(&crate::config::UpstreamConfig {
+            url: format!("http://{addr}").parse().expect("a URL"),
+            ..crate::config::UpstreamConfig::default()
+        });
+        let (head, ()) = http::Request::get("/api/tags")
+            .body(())
+            .expect("request")
+            .into_parts();
+        let err = upstream
+            .send_buffered(&head, Bytes::new())
+            .await
+            .expect_err("nothing listens");
+        let response = ProxyError::from(err).into_response(ErrorShape::Ollama);
+        assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
+        assert_eq!(
+            body_json(response).await["error"],
+            format!("guard: cannot connect to {addr}: connection refused")
         );
     }
 

@@ -399,7 +399,8 @@ fn builder(head_within: Duration, half_close_means_gone: bool) -> http1::Builder
 /// The connection is over; hyper's error, if any, is logged.
 fn ended(result: hyper::Result<()>, connection: &Connection) -> bool {
     if let Err(err) = result {
-        tracing::debug!(peer = %connection.peer, %err, "client connection ended with an error");
+        let error = crate::error_chain(&err);
+        tracing::debug!(peer = %connection.peer, %error, "client connection ended with an error");
     }
     false
 }

@@ -31,13 +31,10 @@ pub enum EbpfError {
          (the systemd unit does)"
     )]
     Permission,
-    #[error("tracefs is not mounted and mounting it at /sys/kernel/tracing failed: {0}")]
-    Tracefs(nix::Error),
-    #[error(
-        "this kernel has no tracepoint sock/inet_sock_set_state (Linux 4.16 or newer has it): \
-         {0}"
-    )]
-    NoTracepoint(std::io::Error),
+    #[error("tracefs is not mounted and mounting it at /sys/kernel/tracing failed")]
+    Tracefs(#[source] nix::Error),
+    #[error("this kernel has no tracepoint sock/inet_sock_set_state (Linux 4.16 or newer has it)")]
+    NoTracepoint(#[source] std::io::Error),
     #[error(
         "the tracepoint's field `{field}` is {found} on this kernel, guard reads {size} bytes: \
          this kernel is not supported yet"
@@ -48,19 +45,36 @@ pub enum EbpfError {
         /// What the format file says of it: "missing", or its size.
         found: String,
     },
-    #[error("the kernel refused guard's eBPF object: {0}")]
+    #[error("the kernel refused guard's eBPF object")]
     Load(#[from] aya::EbpfError),
-    #[error("the kernel refused guard's eBPF program: {0}")]
+    #[error("the kernel refused guard's eBPF program")]
     Program(#[from] aya::programs::ProgramError),
-    #[error("guard's eBPF map `{name}`: {source}")]
+    #[error("guard's eBPF map `{name}`")]
     Map {
         name: &'static str,
         source: aya::maps::MapError,
     },
     #[error("guard's eBPF map `{0}` is missing from the object")]
     MissingMap(&'static str),
-    #[error("reading guard's eBPF events: {0}")]
+    #[error("cannot read this process's capabilities")]
+    Capabilities(#[source] std::io::Error),
+    #[error("cannot watch guard's eBPF events")]
     Io(#[from] std::io::Error),
+}
+
+/// What `guard doctor` finds missing for the kernel half.
+#[derive(Debug, thiserror::Error)]
+pub enum PreflightError {
+    #[error(transparent)]
+    Ebpf(#[from] EbpfError),
+    #[error(
+        "no /sys/kernel/btf/vmlinux: not needed by guard's tracepoint, but bpftool and CO-RE \
+         tools want CONFIG_DEBUG_INFO_BTF=y"
+    )]
+    NoBtf,
+    /// Clients' closes are seen, only not by the kernel program.
+    #[error("from user space (a poll on each client's socket)")]
+    UserSpace(#[source] EbpfError),
 }
 
 /// The process that opened a connection.
@@ -134,7 +148,10 @@ impl EbpfTracker {
                 "/guard-ebpf"
             )))?;
         let logger = aya_log::EbpfLogger::init(&mut ebpf)
-            .inspect_err(|err| tracing::warn!(%err, "eBPF log records will not be shown"))
+            .inspect_err(|err| {
+                let error = crate::error_chain(err);
+                tracing::warn!(%error, "eBPF log records will not be shown");
+            })
             .ok();
         let mut watched: HashMap<MapData, u16, u8> = take_map(&mut ebpf, "WATCHED_PORTS")?;
         for &port in ports {
@@ -293,7 +310,7 @@ async fn forward_logs(logger: aya_log::EbpfLogger<&'static dyn log::Log>) {
 fn register<T: std::os::fd::AsRawFd>(inner: T) -> std::io::Result<AsyncFd<T>> {
     // SAFETY: `inner` (a ring buffer map or the logger that owns one) owns its descriptor until
     // it is dropped, and as_raw_fd() always returns that same descriptor.
-    unsafe { AsyncFd::register(inner) }.map_err(|err| std::io::Error::other(err.to_string()))
+    unsafe { AsyncFd::register(inner) }.map_err(std::io::Error::from)
 }
 
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, EbpfError>
@@ -313,7 +330,7 @@ fn check_capabilities() -> Result<(), EbpfError> {
     const CAP_SYS_ADMIN: u32 = 21;
     const CAP_PERFMON: u32 = 38;
     const CAP_BPF: u32 = 39;
-    let effective = crate::procs::effective_capabilities()?;
+    let effective = crate::procs::effective_capabilities().map_err(EbpfError::Capabilities)?;
     let has = |cap: u32| effective & (1 << cap) != 0;
     if has(CAP_SYS_ADMIN) || (has(CAP_BPF) && has(CAP_PERFMON)) {
         Ok(())
@@ -382,22 +399,14 @@ fn field_place(format: &str, field: &str) -> Option<(usize, usize)> {
 }
 
 /// Which way guard learns that a client left, and why: for `guard doctor`.
-pub fn close_detection(enabled: bool) -> Result<String, String> {
-    let why_not = |reason: String| {
-        Err(format!(
-            "from user space (a poll on each client's socket): {reason}"
-        ))
-    };
+pub fn close_detection(enabled: bool) -> Result<String, PreflightError> {
     if !enabled {
         // The operator's choice, not something missing.
-        return Ok(format!(
-            "from user space (a poll on each client's socket): {}",
-            EbpfError::Disabled
-        ));
+        return Ok(crate::error_chain(&PreflightError::UserSpace(
+            EbpfError::Disabled,
+        )));
     }
-    if let Err(err) = check_capabilities() {
-        return why_not(err.to_string());
-    }
+    check_capabilities().map_err(PreflightError::UserSpace)?;
     match running_layout() {
         Ok(layout) if layout == Layout::KNOWN => Ok(
             "eBPF on sock/inet_sock_set_state; the record's layout read from this kernel's \
@@ -408,43 +417,40 @@ pub fn close_detection(enabled: bool) -> Result<String, String> {
             "eBPF on sock/inet_sock_set_state; this kernel's own layout, read from its format \
              file and handed to the program: {layout:?}"
         )),
-        Err(err) => why_not(err.to_string()),
+        Err(err) => Err(PreflightError::UserSpace(err)),
     }
 }
 
 /// Whether the host offers what the loader needs, for `guard doctor`: each item is a check
 /// name and the problem, if any.
-pub fn preflight() -> Vec<(&'static str, Result<String, String>)> {
+pub fn preflight() -> Vec<(&'static str, Result<String, PreflightError>)> {
     let btf = Path::new("/sys/kernel/btf/vmlinux");
     vec![
         (
             "bpf capabilities",
             check_capabilities()
                 .map(|()| "CAP_BPF and CAP_PERFMON (or CAP_SYS_ADMIN) held".to_owned())
-                .map_err(|err| err.to_string()),
+                .map_err(PreflightError::from),
         ),
         (
             "kernel BTF",
             if btf.exists() {
                 Ok(btf.display().to_string())
             } else {
-                Err(
-                    "no /sys/kernel/btf/vmlinux: not needed by guard's tracepoint, but \
-                     bpftool and CO-RE tools want CONFIG_DEBUG_INFO_BTF=y"
-                        .to_owned(),
-                )
+                Err(PreflightError::NoBtf)
             },
         ),
         (
             "tracepoint sock/inet_sock_set_state",
             mounts::ensure_tracefs()
-                .map_err(|err| EbpfError::Tracefs(err).to_string())
+                .map_err(EbpfError::Tracefs)
                 .and_then(|tracefs| {
-                    let format = mounts::tracepoint_format(tracefs)
-                        .map_err(|err| EbpfError::NoTracepoint(err).to_string())?;
-                    layout_of(&format).map_err(|err| err.to_string())?;
+                    let format =
+                        mounts::tracepoint_format(tracefs).map_err(EbpfError::NoTracepoint)?;
+                    layout_of(&format)?;
                     Ok(format!("{} (every field guard reads)", tracefs.display()))
-                }),
+                })
+                .map_err(PreflightError::from),
         ),
     ]
 }

@@ -19,7 +19,7 @@ pub enum CgroupError {
         needs: &'static str,
         hint: &'static str,
     },
-    #[error("{}: {source}", path.display())]
+    #[error("{}", path.display())]
     Io {
         path: PathBuf,
         source: std::io::Error,

@@ -15,7 +15,7 @@ use state::{Record, StateError};
 
 /// Why throttling could not be set up; the key names the config entry.
 #[derive(Debug, thiserror::Error)]
-#[error("{key}: {source}")]
+#[error("{key}")]
 pub struct ThrottleSetupError {
     pub key: String,
     #[source]
@@ -188,7 +188,10 @@ impl Throttler {
                     changed(&self.metrics, &target.class, "hold", Reason::AtRisk);
                     tracing::info!(class = target.class, cgroup = %target.cgroup.path.display(), reason = Reason::AtRisk.as_str(), "throttled");
                 }
-                Err(err) => tracing::error!(class = target.class, %err, "could not throttle"),
+                Err(err) => {
+                    let error = crate::error_chain(&err);
+                    tracing::error!(class = target.class, %error, "could not throttle");
+                }
             }
         }
     }
@@ -229,7 +232,8 @@ impl Throttler {
                 }
                 Err(err) => {
                     target.retry_at = Some(now + RETRY);
-                    tracing::error!(class = target.class, %err, "could not restore; trying again in 1 s");
+                    let error = crate::error_chain(&err);
+                    tracing::error!(class = target.class, %error, "could not restore; trying again in 1 s");
                 }
             }
         }

@@ -13,7 +13,7 @@ use super::cgroup::{self, CgroupError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
-    #[error("state directory {}: {source}", dir.display())]
+    #[error("state directory {}", dir.display())]
     Dir {
         dir: PathBuf,
         source: std::io::Error,
@@ -24,13 +24,35 @@ pub enum StateError {
         lock.display()
     )]
     Locked { cgroup: PathBuf, lock: PathBuf },
-    #[error("state file {}: {source}", file.display())]
+    #[error("state file {}", file.display())]
     Io {
         file: PathBuf,
         source: std::io::Error,
     },
     #[error(transparent)]
     Cgroup(#[from] CgroupError),
+}
+
+/// Why a record left behind could not be put back.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error(
+        "{} must be a directory of uid {uid} that group and others cannot write",
+        dir.display()
+    )]
+    Untrusted { dir: PathBuf, uid: u32 },
+    #[error("cannot read the record")]
+    Read(#[source] std::io::Error),
+    #[error("the record is not one guard wrote")]
+    NotJson(#[source] serde_json::Error),
+    #[error("{} is not a cgroup control file guard changes", control.display())]
+    NotAControl { control: PathBuf },
+    #[error("the recorded value is not one guard wrote")]
+    Value,
+    #[error(transparent)]
+    Put(#[from] CgroupError),
+    #[error("cannot clear the record")]
+    Clear(#[source] std::io::Error),
 }
 
 /// The locked record of one control file's original value.
@@ -157,20 +179,15 @@ pub fn restore_value(control: &Path, original: &str) -> String {
 }
 
 /// What `restore_dir` did with one record.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Restored {
     /// The control file has its original value again.
-    Put {
-        control: PathBuf,
-        original: String,
-    },
+    Put { control: PathBuf, original: String },
     /// A running guard holds the record's lock: it restores its own.
-    Held {
-        record: PathBuf,
-    },
+    Held { record: PathBuf },
     Failed {
         record: PathBuf,
-        reason: String,
+        reason: RestoreError,
     },
 }
 
@@ -238,17 +255,17 @@ fn restore_dir_checked(dir: &Path, allowed: fn(&Path) -> bool) -> Vec<Restored> 
 
 /// A state directory only its owner can write, and that owner this process's user (a
 /// directory others can write could hold records naming any file).
-fn trusted(dir: &Path) -> Result<(), String> {
+fn trusted(dir: &Path) -> Result<(), RestoreError> {
     use std::os::unix::fs::MetadataExt as _;
     let Ok(meta) = std::fs::symlink_metadata(dir) else {
         return Ok(()); // nothing there: nothing to restore
     };
     let me = nix::unistd::geteuid().as_raw();
     if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o022 != 0 {
-        return Err(format!(
-            "{} must be a directory of uid {me} that group and others cannot write",
-            dir.display()
-        ));
+        return Err(RestoreError::Untrusted {
+            dir: dir.to_owned(),
+            uid: me,
+        });
     }
     Ok(())
 }
@@ -256,7 +273,7 @@ fn trusted(dir: &Path) -> Result<(), String> {
 /// Restores one record file; None where it records nothing outstanding.
 fn restore_file(record: &Path, allowed: fn(&Path) -> bool) -> Result<Option<Restored>, Restored> {
     use std::os::unix::fs::OpenOptionsExt as _;
-    let failed = |reason: String| Restored::Failed {
+    let failed = |reason: RestoreError| Restored::Failed {
         record: record.to_owned(),
         reason,
     };
@@ -265,7 +282,7 @@ fn restore_file(record: &Path, allowed: fn(&Path) -> bool) -> Result<Option<Rest
         .write(true)
         .custom_flags(libc::O_NOFOLLOW)
         .open(record)
-        .map_err(|e| failed(e.to_string()))?;
+        .map_err(|e| failed(RestoreError::Read(e)))?;
     match file.try_lock() {
         Ok(()) => {}
         Err(std::fs::TryLockError::WouldBlock) => {
@@ -273,32 +290,30 @@ fn restore_file(record: &Path, allowed: fn(&Path) -> bool) -> Result<Option<Rest
                 record: record.to_owned(),
             }));
         }
-        Err(std::fs::TryLockError::Error(e)) => return Err(failed(e.to_string())),
+        Err(std::fs::TryLockError::Error(e)) => return Err(failed(RestoreError::Read(e))),
     }
     let mut text = String::new();
     file.read_to_string(&mut text)
-        .map_err(|e| failed(e.to_string()))?;
+        .map_err(|e| failed(RestoreError::Read(e)))?;
     if text.is_empty() {
         return Ok(None);
     }
-    let saved: Saved = serde_json::from_str(&text).map_err(|e| failed(e.to_string()))?;
+    let saved: Saved = serde_json::from_str(&text).map_err(|e| failed(RestoreError::NotJson(e)))?;
     if !allowed(&saved.control) {
-        return Err(failed(format!(
-            "{} is not a cgroup control file guard changes",
-            saved.control.display()
-        )));
+        return Err(failed(RestoreError::NotAControl {
+            control: saved.control,
+        }));
     }
     if saved.original.len() > MAX_VALUE || saved.original.contains('\n') {
-        return Err(failed(
-            "the recorded value is not one guard wrote".to_owned(),
-        ));
+        return Err(failed(RestoreError::Value));
     }
     cgroup::write(
         &saved.control,
         &restore_value(&saved.control, &saved.original),
     )
-    .map_err(|e| failed(e.to_string()))?;
-    file.set_len(0).map_err(|e| failed(e.to_string()))?;
+    .map_err(|e| failed(e.into()))?;
+    file.set_len(0)
+        .map_err(|e| failed(RestoreError::Clear(e)))?;
     Ok(Some(Restored::Put {
         control: saved.control,
         original: saved.original,
@@ -327,18 +342,28 @@ mod tests {
             // A crash: the lock goes with the process, the record stays.
         }
         // The real check refuses a file outside a cgroup filesystem.
-        assert!(matches!(restore_dir(&state)[..], [Restored::Failed { .. }]));
+        assert!(matches!(
+            restore_dir(&state)[..],
+            [Restored::Failed {
+                reason: RestoreError::NotAControl { .. },
+                ..
+            }]
+        ));
         assert_eq!(std::fs::read_to_string(&control).expect("read"), "1");
         let restore = |dir: &Path| restore_dir_checked(dir, |_| true);
-        assert_eq!(
-            restore(&state),
-            [Restored::Put {
-                control: control.clone(),
-                original: "0".to_owned()
-            }]
-        );
+        match &restore(&state)[..] {
+            [
+                Restored::Put {
+                    control: put,
+                    original,
+                },
+            ] => {
+                assert_eq!((put, original.as_str()), (&control, "0"));
+            }
+            other => panic!("expected the one value put back, got {other:?}"),
+        }
         assert_eq!(std::fs::read_to_string(&control).expect("read"), "0");
-        assert_eq!(restore(&state), [], "nothing is left to restore");
+        assert!(restore(&state).is_empty(), "nothing is left to restore");
         std::fs::remove_dir_all(&dir).expect("clean up");
     }
 }

@@ -18,6 +18,14 @@ use crate::config::UpstreamConfig;
 /// Why a request to the upstream got no answer.
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
+    /// Said as a queued request's failed connect is (`ExchangeError::Connect`), without
+    /// hyper-util's layers ("client error (Connect): tcp connect error").
+    #[error("cannot connect to {authority}")]
+    Connect {
+        authority: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("upstream unreachable")]
     Unreachable(#[source] PoolError),
     #[error("upstream did not answer within {} ms", .0.as_millis())]
@@ -60,7 +68,7 @@ impl Client {
         let request = self.to_upstream(request)?;
         self.exchange(request)
             .await?
-            .map_err(UpstreamError::Unreachable)
+            .map_err(|err| self.unreachable(err))
     }
 
     /// Sends a request whose body is in memory (bodiless pass-through requests, the watchers'
@@ -88,7 +96,7 @@ impl Client {
             }
             result => result,
         }
-        .map_err(UpstreamError::Unreachable)
+        .map_err(|err| self.unreachable(err))
     }
 
     /// Sends one request on a connection of its own, closed after the answer. llama-server
@@ -111,7 +119,7 @@ impl Client {
         );
         self.exchange(request)
             .await?
-            .map_err(UpstreamError::Unreachable)
+            .map_err(|err| self.unreachable(err))
     }
 
     /// `GET path`, its body read whole when the answer is a success.
@@ -179,6 +187,17 @@ impl Client {
         Ok(request)
     }
 
+    /// Why the pool got no answer: a connect the system refused is said by its OS error.
+    fn unreachable(&self, err: PoolError) -> UpstreamError {
+        match os_error_of(&err).filter(|_| err.is_connect()) {
+            Some(code) => UpstreamError::Connect {
+                authority: self.authority.to_string(),
+                source: std::io::Error::from_raw_os_error(code),
+            },
+            None => UpstreamError::Unreachable(err),
+        }
+    }
+
     /// One exchange up to the response head; the outer error is the response timeout.
     async fn exchange(
         &self,
@@ -192,6 +211,21 @@ impl Client {
             })),
         }
     }
+}
+
+/// The OS error among `err`'s causes, if any (it is all a failed connect says).
+fn os_error_of(err: &PoolError) -> Option<i32> {
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        if let Some(code) = cause
+            .downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::raw_os_error)
+        {
+            return Some(code);
+        }
+        source = cause.source();
+    }
+    None
 }
 
 /// Whether the connection closed before any of the answer came: the mark of a pooled

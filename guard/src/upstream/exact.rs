@@ -44,7 +44,11 @@ pub enum ExactError {
         source: UpstreamError,
     },
     #[error("the upstream's answer to {path} could not be read")]
-    Unreadable { path: &'static str },
+    Unreadable {
+        path: &'static str,
+        #[source]
+        source: super::BoxError,
+    },
     #[error("the prompt is not text or token ids")]
     PromptShape,
 }
@@ -328,9 +332,15 @@ async fn ask<T: serde::de::DeserializeOwned>(
         .into_body()
         .collect()
         .await
-        .map_err(|_| ExactError::Unreadable { path })?
+        .map_err(|err| ExactError::Unreadable {
+            path,
+            source: err.into(),
+        })?
         .to_bytes();
-    serde_json::from_slice(&bytes).map_err(|_| ExactError::Unreadable { path })
+    serde_json::from_slice(&bytes).map_err(|err| ExactError::Unreadable {
+        path,
+        source: err.into(),
+    })
 }
 
 /// One event of a `/completion` stream, as far as guard reads it.

@@ -164,7 +164,7 @@ impl std::fmt::Debug for Dial {
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExchangeError {
-    #[error("cannot connect to {authority}: {source}")]
+    #[error("cannot connect to {authority}")]
     Connect {
         authority: String,
         #[source]
@@ -175,7 +175,7 @@ pub enum ExchangeError {
         authority: String,
         timeout: Duration,
     },
-    #[error("the upstream connection failed before the answer: {0}")]
+    #[error("the upstream connection failed before the answer")]
     Http(#[source] hyper::Error),
 }
 
@@ -308,7 +308,8 @@ fn drive(connection: &mut Option<Pin<Box<UpstreamConnection>>>, cx: &mut Context
         && let Poll::Ready(result) = conn.as_mut().poll(cx)
     {
         if let Err(err) = result {
-            tracing::debug!(%err, "upstream connection ended with an error");
+            let error = crate::error_chain(&err);
+            tracing::debug!(%error, "upstream connection ended with an error");
         }
         *connection = None;
     }

@@ -15,6 +15,8 @@ pub mod usage;
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full, combinators::BoxBody};
 
+/// Also here: the request path calls it as `upstream::error_chain`.
+pub use crate::error_chain::error_chain;
 pub use client::{Client, UpstreamError};
 pub use headers::strip_hop_by_hop;
 
@@ -29,16 +31,4 @@ pub fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into())
         .map_err(|never| match never {})
         .boxed()
-}
-
-/// An error and its causes on one line: hyper's top-level messages alone say little.
-pub fn error_chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }

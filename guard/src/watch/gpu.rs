@@ -177,7 +177,10 @@ impl GpuWatcher {
                 }
             }
             Err(err) => {
-                let reason = format!("no NVIDIA driver (NVML: {err}); GPU metrics off");
+                let reason = format!(
+                    "no NVIDIA driver (NVML: {}); GPU metrics off",
+                    crate::error_chain(&err)
+                );
                 tracing::info!("{reason}");
                 metrics.available.set(0);
                 Self {
