@@ -143,4 +143,17 @@ mod pod {
     unsafe impl aya::Pod for super::Owner {}
     // SAFETY: as above (twelve u32s).
     unsafe impl aya::Pod for super::Layout {}
+
+    impl super::SockEvent {
+        /// An event from the bytes of one ring-buffer record; None if it is too short.
+        pub fn from_record(record: &[u8]) -> Option<Self> {
+            if record.len() < size_of::<Self>() {
+                return None;
+            }
+            // SAFETY: the record holds at least size_of::<Self>() bytes (checked above);
+            // read_unaligned makes no alignment assumption, and every bit pattern is a valid
+            // SockEvent (the Pod reasoning above).
+            Some(unsafe { record.as_ptr().cast::<Self>().read_unaligned() })
+        }
+    }
 }

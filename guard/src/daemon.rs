@@ -14,6 +14,7 @@ use tokio::{
     task::JoinHandle,
 };
 
+use crate::metrics::labels::{Listener, Reload};
 use crate::{
     classify::Tally,
     config::{Config, Listen},
@@ -126,7 +127,7 @@ pub async fn run(
         ebpf,
     } = setup;
     for result in [RELOAD_APPLIED, RELOAD_REFUSED] {
-        metrics.config_reloads_total.with_label_values(&[result]);
+        metrics.config_reloads_total.of(&Reload { result });
     }
     let proxy_listeners = listening(proxy_sockets)?;
     let metrics_listeners = listening(metrics_listener)?;
@@ -357,7 +358,7 @@ fn spawn_agent(
     let sources = Arc::clone(sources);
     let refused = metrics
         .connections_refused_total
-        .with_label_values(&["agent"]);
+        .of(&Listener { listener: "agent" });
     let line: crate::cluster::agent::LineFn = Arc::new(move || sources.cluster().agent);
     Ok(tokio::spawn(crate::cluster::agent::serve(
         listener, line, refused,
@@ -560,7 +561,9 @@ fn reload(
             proxy.reload(&next);
             metrics
                 .config_reloads_total
-                .with_label_values(&[RELOAD_APPLIED])
+                .of(&Reload {
+                    result: RELOAD_APPLIED,
+                })
                 .inc();
             tracing::info!(path = %path.display(), classes = %next.class_names(), "config reloaded");
             next
@@ -568,7 +571,9 @@ fn reload(
         Err(err) => {
             metrics
                 .config_reloads_total
-                .with_label_values(&[RELOAD_REFUSED])
+                .of(&Reload {
+                    result: RELOAD_REFUSED,
+                })
                 .inc();
             let why = crate::error_chain(&err);
             tracing::error!("SIGHUP: config refused, the running one stays: {why}");

@@ -2,6 +2,8 @@
 //! rejects early what cannot be served in time, reaps work whose client has gone, and makes
 //! quiet failures visible as metrics.
 
+#![forbid(unsafe_code)]
+
 pub mod classify;
 pub mod cli;
 pub mod cluster;

@@ -6,10 +6,7 @@
 /// system when freed. glibc would otherwise raise that threshold after the first large free
 /// and serve the next bodies from its heap.
 pub fn return_large_blocks_to_the_system() {
-    const THRESHOLD: libc::c_int = 128 << 10;
-    // SAFETY: mallopt only sets allocator parameters; called once, before guard serves.
-    let set = unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, THRESHOLD) };
-    if set == 0 {
+    if !guard_sys::alloc::mmap_from(128 << 10) {
         tracing::warn!(
             "could not set the allocator's mmap threshold; freed bodies may stay resident"
         );
@@ -19,8 +16,5 @@ pub fn return_large_blocks_to_the_system() {
 /// Returns the free pages inside the allocator's heaps (what many smaller buffers, freed at
 /// different times, leave behind); the watchers call it once a tick.
 pub fn trim() {
-    // SAFETY: malloc_trim only releases memory the allocator holds free; it is thread-safe.
-    unsafe {
-        libc::malloc_trim(0);
-    }
+    guard_sys::alloc::trim();
 }

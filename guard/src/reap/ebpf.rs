@@ -307,10 +307,8 @@ async fn forward_logs(logger: aya_log::EbpfLogger<&'static dyn log::Log>) {
 }
 
 /// Registers a map's descriptor with tokio's reactor.
-fn register<T: std::os::fd::AsRawFd>(inner: T) -> std::io::Result<AsyncFd<T>> {
-    // SAFETY: `inner` (a ring buffer map or the logger that owns one) owns its descriptor until
-    // it is dropped, and as_raw_fd() always returns that same descriptor.
-    unsafe { AsyncFd::register(inner) }.map_err(std::io::Error::from)
+fn register<T: std::os::fd::AsFd + std::os::fd::AsRawFd>(inner: T) -> std::io::Result<AsyncFd<T>> {
+    guard_sys::fd::register(inner)
 }
 
 fn take_map<T>(ebpf: &mut Ebpf, name: &'static str) -> Result<T, EbpfError>

@@ -74,14 +74,7 @@ impl ConnEvent {
 impl ConnEvent {
     /// An event from the bytes of one ring-buffer record; None if it is too short.
     pub fn decode(record: &[u8]) -> Option<Self> {
-        if record.len() < size_of::<SockEvent>() {
-            return None;
-        }
-        // SAFETY: the record holds at least size_of::<SockEvent>() bytes (checked above);
-        // read_unaligned makes no alignment assumption, and SockEvent (integers and byte
-        // arrays) is valid for any bit pattern.
-        let raw = unsafe { record.as_ptr().cast::<SockEvent>().read_unaligned() };
-        Some(Self::from(&raw))
+        SockEvent::from_record(record).map(|raw| Self::from(&raw))
     }
 }
 

@@ -29,7 +29,7 @@ const WHOLE_BYTES: usize = 1 << 20;
 /// How an answer is read on its way.
 pub(super) enum Reading {
     Plain(Plain),
-    Tracked(Box<Tracked>),
+    Tracked(Tracked),
 }
 
 /// What is known of a plain answer.

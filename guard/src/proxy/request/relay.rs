@@ -107,7 +107,7 @@ impl QueuedRequest {
                 if !opened {
                     return Ending::Quiet(Outcome::Reaped(Stage::Running));
                 }
-                Reading::Tracked(Box::new(tracked))
+                Reading::Tracked(tracked)
             }
             // Not preemptible, or an error or not a stream after all: relayed as it is.
             _ => {
