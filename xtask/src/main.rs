@@ -8,6 +8,7 @@ mod fuzz;
 mod gpu;
 mod install;
 mod kernels;
+mod lengths;
 mod llama;
 mod matrix;
 mod modules;
@@ -58,7 +59,8 @@ enum Task {
     },
     /// Start the release guard briefly and print what its NVML (GPU) path reads.
     GpuCheck,
-    /// Print the graph of guard's top-level modules; fail on an import cycle.
+    /// Print the graph of guard's top-level modules and the longest functions; fail on an
+    /// import cycle or a function over 80 lines.
     Modules,
     /// Benchmarks that print ratios measured side by side in one run.
     Bench {

@@ -1,6 +1,7 @@
 //! `cargo xtask modules`: the graph of guard's top-level modules (who names whom through
 //! `crate::`), printed one module a line; it fails on a cycle. Test code (`tests.rs`,
-//! `tests/`, a trailing `#[cfg(test)] mod tests`) is left out: it may reach anywhere.
+//! `tests/`, a trailing `#[cfg(test)] mod tests`) is left out: it may reach anywhere. Then
+//! the length of every function of the workspace (`lengths.rs`).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -12,9 +13,16 @@ use anyhow::{Context as _, Result, bail};
 /// Top-level module -> the top-level modules it uses.
 pub type Graph = BTreeMap<String, BTreeSet<String>>;
 
+/// The import graph, then the function lengths: both run, and either fails it.
 pub fn check() -> Result<()> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../guard/src");
-    let graph = graph(&src)?;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let graph = graph_check(&root.join("guard/src"));
+    let lengths = crate::lengths::check(&root);
+    graph.and(lengths)
+}
+
+fn graph_check(src: &Path) -> Result<()> {
+    let graph = graph(src)?;
     for (module, uses) in &graph {
         let uses: Vec<&str> = uses.iter().map(String::as_str).collect();
         println!("{module:<10} -> {}", uses.join(", "));

@@ -19,36 +19,27 @@ struct Row {
     spreads: Option<((f64, f64), (f64, f64))>,
 }
 
-fn spread_row(name: &'static str, a: &Spread, b: &Spread, better: Better, use_p95: bool) -> Row {
-    let (av, bv) = if use_p95 {
-        (a.p95, b.p95)
-    } else {
-        (a.p50, b.p50)
-    };
-    Row {
-        name,
-        a: Some(av),
-        b: Some(bv),
-        better,
-        spreads: (!use_p95).then_some((
-            (a.run_p50_min, a.run_p50_max),
-            (b.run_p50_min, b.run_p50_max),
-        )),
-    }
-}
-
-fn maybe_row(name: &'static str, a: &Maybe, b: &Maybe, better: Better) -> Row {
-    Row {
-        name,
-        a: a.value(),
-        b: b.value(),
-        better,
-        spreads: None,
-    }
-}
-
 /// The comparison as text.
 pub fn compare(a: &Entry, b: &Entry) -> String {
+    let mut out = heading(a, b);
+    out.push_str(&format!(
+        "{:<24} {:>14} {:>14} {:>9}  {}\n",
+        "figure", "A", "B", "change", "verdict"
+    ));
+    let (mut gains, mut costs) = (Vec::new(), Vec::new());
+    for row in rows(a, b) {
+        out.push_str(&row.line(&mut gains, &mut costs));
+    }
+    let list = |names: Vec<&str>| match names.is_empty() {
+        true => "none".to_owned(),
+        false => names.join(", "),
+    };
+    out.push_str(&format!("gains: {}\ncosts: {}\n", list(gains), list(costs)));
+    out
+}
+
+/// The two entries, and what differs in how they were run.
+fn heading(a: &Entry, b: &Entry) -> String {
     let mut out = format!(
         "A {} ({}, {}, {})\nB {} ({}, {}, {})\n",
         a.id, a.recorded_at, a.model, a.runtime, b.id, b.recorded_at, b.model, b.runtime
@@ -67,117 +58,95 @@ pub fn compare(a: &Entry, b: &Entry) -> String {
             out.push_str(&format!("changed: {what}: {x} -> {y}\n"));
         }
     }
-    let count = |n: usize| Some(n as f64);
-    let rows = [
-        maybe_row(
-            "cold start ms",
-            &a.cold_start_ms,
-            &b.cold_start_ms,
-            Better::Lower,
-        ),
-        Row {
-            name: "warm start ms",
-            a: Some(a.warm_start_ms),
-            b: Some(b.warm_start_ms),
-            better: Better::Lower,
-            spreads: None,
-        },
-        spread_row("TTFT p50 ms", &a.ttft_ms, &b.ttft_ms, Better::Lower, false),
-        spread_row("TTFT p95 ms", &a.ttft_ms, &b.ttft_ms, Better::Lower, true),
-        spread_row(
-            "completion p50 ms",
-            &a.completion_ms,
-            &b.completion_ms,
-            Better::Lower,
-            false,
-        ),
-        spread_row(
-            "completion p95 ms",
-            &a.completion_ms,
-            &b.completion_ms,
-            Better::Lower,
-            true,
-        ),
-        spread_row(
+    out
+}
+
+/// Every figure compared, in the order printed.
+fn rows(a: &Entry, b: &Entry) -> [Row; 14] {
+    use Better::{Higher, Lower};
+    let spread = |name, figure: fn(&Entry) -> &Spread, better, use_p95| Row {
+        name,
+        better,
+        ..Row::of_spread(figure(a), figure(b), use_p95)
+    };
+    let maybe = |name, figure: fn(&Entry) -> &Maybe| Row {
+        name,
+        a: figure(a).value(),
+        b: figure(b).value(),
+        better: Lower,
+        spreads: None,
+    };
+    let plain = |name, figure: fn(&Entry) -> f64| Row {
+        name,
+        a: Some(figure(a)),
+        b: Some(figure(b)),
+        better: Lower,
+        spreads: None,
+    };
+    [
+        maybe("cold start ms", |e| &e.cold_start_ms),
+        plain("warm start ms", |e| e.warm_start_ms),
+        spread("TTFT p50 ms", |e| &e.ttft_ms, Lower, false),
+        spread("TTFT p95 ms", |e| &e.ttft_ms, Lower, true),
+        spread("completion p50 ms", |e| &e.completion_ms, Lower, false),
+        spread("completion p95 ms", |e| &e.completion_ms, Lower, true),
+        spread(
             "decode tokens/s p50",
-            &a.decode_tokens_per_second,
-            &b.decode_tokens_per_second,
-            Better::Higher,
+            |e| &e.decode_tokens_per_second,
+            Higher,
             false,
         ),
-        spread_row(
-            "queue delay p50 ms",
-            &a.queue_delay_ms,
-            &b.queue_delay_ms,
-            Better::Lower,
-            false,
-        ),
-        maybe_row(
-            "peak server RSS bytes",
-            &a.peak_server_rss_bytes,
-            &b.peak_server_rss_bytes,
-            Better::Lower,
-        ),
-        maybe_row(
-            "peak GPU memory bytes",
-            &a.peak_gpu_memory_bytes,
-            &b.peak_gpu_memory_bytes,
-            Better::Lower,
-        ),
-        maybe_row(
-            "energy J",
-            &a.energy_joules,
-            &b.energy_joules,
-            Better::Lower,
-        ),
-        maybe_row(
-            "mean power W",
-            &a.mean_power_watts,
-            &b.mean_power_watts,
-            Better::Lower,
-        ),
-        Row {
-            name: "quality failures",
-            a: count(a.quality_failures),
-            b: count(b.quality_failures),
+        spread("queue delay p50 ms", |e| &e.queue_delay_ms, Lower, false),
+        maybe("peak server RSS bytes", |e| &e.peak_server_rss_bytes),
+        maybe("peak GPU memory bytes", |e| &e.peak_gpu_memory_bytes),
+        maybe("energy J", |e| &e.energy_joules),
+        maybe("mean power W", |e| &e.mean_power_watts),
+        plain("quality failures", |e| e.quality_failures as f64),
+        plain("abstentions", |e| e.abstentions as f64),
+    ]
+}
+
+impl Row {
+    /// A p50 (with the per-run p50 ranges) or p95 row; its name and direction still to set.
+    fn of_spread(a: &Spread, b: &Spread, use_p95: bool) -> Self {
+        let (av, bv) = match use_p95 {
+            true => (a.p95, b.p95),
+            false => (a.p50, b.p50),
+        };
+        Self {
+            name: "",
+            a: Some(av),
+            b: Some(bv),
             better: Better::Lower,
-            spreads: None,
-        },
-        Row {
-            name: "abstentions",
-            a: count(a.abstentions),
-            b: count(b.abstentions),
-            better: Better::Lower,
-            spreads: None,
-        },
-    ];
-    out.push_str(&format!(
-        "{:<24} {:>14} {:>14} {:>9}  {}\n",
-        "figure", "A", "B", "change", "verdict"
-    ));
-    let (mut gains, mut costs) = (Vec::new(), Vec::new());
-    for row in rows {
-        let (Some(x), Some(y)) = (row.a, row.b) else {
+            spreads: (!use_p95).then_some((
+                (a.run_p50_min, a.run_p50_max),
+                (b.run_p50_min, b.run_p50_max),
+            )),
+        }
+    }
+
+    /// The row's line; its name goes to the gains or the costs where it is one.
+    fn line(&self, gains: &mut Vec<&'static str>, costs: &mut Vec<&'static str>) -> String {
+        let (Some(x), Some(y)) = (self.a, self.b) else {
             let show = |v: Option<f64>| v.map_or("unavailable".to_owned(), |v| format!("{v:.1}"));
-            out.push_str(&format!(
+            return format!(
                 "{:<24} {:>14} {:>14} {:>9}  -\n",
-                row.name,
-                show(row.a),
-                show(row.b),
+                self.name,
+                show(self.a),
+                show(self.b),
                 ""
-            ));
-            continue;
+            );
         };
         let change = if x == 0.0 {
             if y == 0.0 { 0.0 } else { f64::INFINITY }
         } else {
             (y - x) / x * 100.0
         };
-        let improved = match row.better {
+        let improved = match self.better {
             Better::Lower => y < x,
             Better::Higher => y > x,
         };
-        let noise = row
+        let noise = self
             .spreads
             .is_some_and(|((a_lo, a_hi), (b_lo, b_hi))| b_lo <= a_hi && a_lo <= b_hi);
         let verdict = if x == y {
@@ -185,29 +154,15 @@ pub fn compare(a: &Entry, b: &Entry) -> String {
         } else if noise {
             "inside the runs' spread"
         } else if improved {
-            gains.push(row.name);
+            gains.push(self.name);
             "gain"
         } else {
-            costs.push(row.name);
+            costs.push(self.name);
             "COST"
         };
-        out.push_str(&format!(
+        format!(
             "{:<24} {:>14.1} {:>14.1} {:>8.1}%  {verdict}\n",
-            row.name, x, y, change
-        ));
+            self.name, x, y, change
+        )
     }
-    out.push_str(&format!(
-        "gains: {}\ncosts: {}\n",
-        if gains.is_empty() {
-            "none".to_owned()
-        } else {
-            gains.join(", ")
-        },
-        if costs.is_empty() {
-            "none".to_owned()
-        } else {
-            costs.join(", ")
-        }
-    ));
-    out
 }

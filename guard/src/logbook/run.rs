@@ -23,7 +23,7 @@ use crate::{
     config::Api,
     upstream::{
         api::{self, llama, ollama, openai},
-        frames::{Lines, StreamFormat},
+        frames::{Events, StreamFormat},
     },
 };
 
@@ -161,6 +161,43 @@ async fn stream_once(
     plan: &Plan,
     input: &Input,
 ) -> Result<Sample, LogbookError> {
+    let (path, request) = chat_request(plan, input)?;
+    let sent = Instant::now();
+    let response = client
+        .request(request)
+        .await
+        .map_err(|e| LogbookError::request(path, e))?;
+    let status = response.status();
+    let queue_ms = response
+        .headers()
+        .get("x-guard-queue-ms")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .unwrap_or(0.0);
+    if !status.is_success() {
+        let said = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| LogbookError::request(path, e))?
+            .to_bytes();
+        return Err(LogbookError::Answer {
+            path: path.to_owned(),
+            status,
+            said: crate::quote::quote(&String::from_utf8_lossy(&said)),
+        });
+    }
+    let mut sample = read_stream(plan.api, response.into_body(), sent)
+        .await
+        .map_err(|e| LogbookError::request(path, e))?;
+    sample.queue_ms = queue_ms;
+    Ok(sample)
+}
+
+/// The streaming chat request of the plan's API for one input, and its path.
+fn chat_request(
+    plan: &Plan,
+    input: &Input,
+) -> Result<(&'static str, http::Request<Full<Bytes>>), LogbookError> {
     let (path, body) = match plan.api {
         Api::Openai => (
             "/v1/chat/completions",
@@ -176,51 +213,33 @@ async fn stream_once(
         .header("x-guard-class", &plan.class)
         .body(Full::new(Bytes::from(body.to_string())))
         .map_err(|e| LogbookError::request(path, e))?;
-    let sent = Instant::now();
-    let response = client
-        .request(request)
-        .await
-        .map_err(|e| LogbookError::request(path, e))?;
-    let status = response.status();
-    let queue_ms = response
-        .headers()
-        .get("x-guard-queue-ms")
-        .and_then(|v| v.to_str().ok()?.parse().ok())
-        .unwrap_or(0.0);
-    let mut body = response.into_body();
-    let mut sample = Sample {
-        queue_ms,
-        ..Sample::default()
-    };
+    Ok((path, request))
+}
+
+/// Reads a streamed answer event by event: its text, its tokens, when its first text came.
+async fn read_stream(
+    api: Api,
+    mut body: hyper::body::Incoming,
+    sent: Instant,
+) -> Result<Sample, hyper::Error> {
+    let mut sample = Sample::default();
     let mut first = None;
-    let mut lines = Lines::default();
-    let format = match plan.api {
+    let mut events = Events::new(match api {
         Api::Openai => StreamFormat::Sse,
         Api::Ollama => StreamFormat::Ndjson,
-    };
+    });
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| LogbookError::request(path, e))?;
-        let Ok(data) = frame.into_data() else {
+        let Ok(data) = frame?.into_data() else {
             continue;
         };
-        lines.push(&data, |line| {
-            let Some(piece) = format
-                .payload(line)
-                .and_then(|json| token_text(plan.api, json, &mut sample.tokens))
-            else {
+        events.push(&data, |json| {
+            let Some(piece) = token_text(api, json, &mut sample.tokens) else {
                 return;
             };
             if !piece.is_empty() {
                 first.get_or_insert_with(|| sent.elapsed());
                 sample.text.push_str(&piece);
             }
-        });
-    }
-    if !status.is_success() {
-        return Err(LogbookError::Answer {
-            path: path.to_owned(),
-            status,
-            said: crate::quote::quote(&String::from_utf8_lossy(lines.rest())),
         });
     }
     sample.total = sent.elapsed();
@@ -386,104 +405,172 @@ pub async fn run(plan: &Plan) -> Result<Entry, LogbookError> {
     let client: HttpClient = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(0)
         .build_http();
-    let server_pid = plan.server_pid.or_else(|| {
-        let port = plan.url.parse::<http::Uri>().ok()?.port_u16()?;
-        crate::watch::host::listening_pid(port)
-    });
-    let (runtime_version, server_model) = describe_server(&client, plan).await;
-    let launch_flags = plan
-        .launch_flags
-        .clone()
-        .or_else(|| server_pid.and_then(command_line))
-        .unwrap_or_else(|| "unknown".to_owned());
-    let model_digest = model_digest(&client, plan, server_model.as_deref()).await;
-
+    let server = Server::describe(&client, plan).await;
     let cold_start = cold_start(&client, plan, &inputs[0]).await?;
-    let progress = indicatif::ProgressBar::new((plan.repetitions * inputs.len()) as u64);
-    progress.set_style(
-        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {elapsed_precise}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    progress.set_message("guard bench");
-    let meters = Meters::start(server_pid);
-    let (mut ttft, mut total, mut rate, mut queue) = (vec![], vec![], vec![], vec![]);
-    let (mut failures, mut abstentions, mut warm) = (0, 0, None);
-    for _ in 0..plan.repetitions {
-        let (mut t, mut c, mut r, mut q) = (vec![], vec![], vec![], vec![]);
-        for input in &inputs {
-            let sample = stream_once(&client, plan, input).await?;
-            warm.get_or_insert(sample.ttft);
-            let (failed, abstained) = judge(input, &sample.text);
-            failures += usize::from(failed);
-            abstentions += usize::from(abstained);
-            let decode = (sample.total - sample.ttft).as_secs_f64();
-            t.push(ms(sample.ttft));
-            c.push(ms(sample.total));
-            if decode > 0.0 && sample.tokens > 1 {
-                r.push((sample.tokens - 1) as f64 / decode);
-            }
-            q.push(sample.queue_ms);
-            progress.inc(1);
+    let meters = Meters::start(server.pid);
+    let measured = Measured::repeat(&client, plan, &inputs).await?;
+    let metered = meters.finish();
+    let input_set = InputSet {
+        path: plan.input.display().to_string(),
+        sha256: digest,
+        inputs: inputs.len(),
+    };
+    Ok(entry(
+        plan, server, input_set, cold_start, measured, metered,
+    ))
+}
+
+/// What the server says of itself, read once before the run.
+struct Server {
+    pid: Option<i32>,
+    runtime_version: Option<String>,
+    launch_flags: String,
+    model_digest: String,
+}
+
+impl Server {
+    async fn describe(client: &HttpClient, plan: &Plan) -> Self {
+        let pid = plan.server_pid.or_else(|| {
+            let port = plan.url.parse::<http::Uri>().ok()?.port_u16()?;
+            crate::watch::host::listening_pid(port)
+        });
+        let (runtime_version, server_model) = describe_server(client, plan).await;
+        let launch_flags = plan
+            .launch_flags
+            .clone()
+            .or_else(|| pid.and_then(command_line))
+            .unwrap_or_else(|| "unknown".to_owned());
+        let model_digest = model_digest(client, plan, server_model.as_deref()).await;
+        Self {
+            pid,
+            runtime_version,
+            launch_flags,
+            model_digest,
         }
-        ttft.push(t);
-        total.push(c);
-        rate.push(r);
-        queue.push(q);
     }
-    progress.finish_and_clear();
-    let (peak_rss, peak_gpu, energy, power) = meters.finish();
+}
+
+/// The repeated requests' figures: one list a repetition, one value a request.
+#[derive(Default)]
+struct Measured {
+    ttft: Vec<Vec<f64>>,
+    completion: Vec<Vec<f64>>,
+    rate: Vec<Vec<f64>>,
+    queue: Vec<Vec<f64>>,
+    failures: usize,
+    abstentions: usize,
+    /// The first request's TTFT, the model loaded.
+    warm: Option<Duration>,
+}
+
+impl Measured {
+    /// Sends every input, `plan.repetitions` times, with a progress bar.
+    async fn repeat(
+        client: &HttpClient,
+        plan: &Plan,
+        inputs: &[Input],
+    ) -> Result<Self, LogbookError> {
+        let progress = indicatif::ProgressBar::new((plan.repetitions * inputs.len()) as u64);
+        progress.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{msg} [{bar:30}] {pos}/{len} {elapsed_precise}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        progress.set_message("guard bench");
+        let mut measured = Self::default();
+        for _ in 0..plan.repetitions {
+            for list in [
+                &mut measured.ttft,
+                &mut measured.completion,
+                &mut measured.rate,
+                &mut measured.queue,
+            ] {
+                list.push(Vec::new());
+            }
+            for input in inputs {
+                let sample = stream_once(client, plan, input).await?;
+                measured.add(input, &sample);
+                progress.inc(1);
+            }
+        }
+        progress.finish_and_clear();
+        Ok(measured)
+    }
+
+    /// One request's sample, into the current repetition's lists.
+    fn add(&mut self, input: &Input, sample: &Sample) {
+        self.warm.get_or_insert(sample.ttft);
+        let (failed, abstained) = judge(input, &sample.text);
+        self.failures += usize::from(failed);
+        self.abstentions += usize::from(abstained);
+        let last = |lists: &mut Vec<Vec<f64>>, value: f64| {
+            if let Some(list) = lists.last_mut() {
+                list.push(value);
+            }
+        };
+        last(&mut self.ttft, ms(sample.ttft));
+        last(&mut self.completion, ms(sample.total));
+        let decode = (sample.total - sample.ttft).as_secs_f64();
+        if decode > 0.0 && sample.tokens > 1 {
+            last(&mut self.rate, (sample.tokens - 1) as f64 / decode);
+        }
+        last(&mut self.queue, sample.queue_ms);
+    }
+}
+
+/// The logbook entry of a finished run.
+fn entry(
+    plan: &Plan,
+    server: Server,
+    input_set: InputSet,
+    cold_start_ms: Maybe,
+    measured: Measured,
+    (peak_rss, peak_gpu, energy, power): (Maybe, Maybe, Maybe, Maybe),
+) -> Entry {
     // Whole seconds: the entry's id and its listing need no more.
     let now = jiff::Timestamp::from_second(jiff::Timestamp::now().as_second())
         .unwrap_or_else(|_| jiff::Timestamp::now());
-    let recorded_at = now.to_string();
     let id = format!(
         "{:x}",
-        Sha256::digest(format!(
-            "{recorded_at}{}{}",
-            plan.command,
-            std::process::id()
-        ))
+        Sha256::digest(format!("{now}{}{}", plan.command, std::process::id()))
     )[..12]
         .to_owned();
-    Ok(Entry {
+    Entry {
         id,
         recorded_at: now,
         command: plan.command.clone(),
         model: plan.model.clone(),
-        model_digest,
+        model_digest: server.model_digest,
         runtime: plan.runtime.clone(),
         runtime_version: plan
             .runtime_version
             .clone()
-            .or(runtime_version)
+            .or(server.runtime_version)
             .unwrap_or_else(|| "unknown".to_owned()),
-        launch_flags,
+        launch_flags: server.launch_flags,
         api: plan.api,
         url: plan.url.clone(),
         workload_class: plan.class.clone(),
-        input_set: InputSet {
-            path: plan.input.display().to_string(),
-            sha256: digest,
-            inputs: inputs.len(),
-        },
+        input_set,
         repetitions: plan.repetitions,
-        cold_start_ms: cold_start,
-        warm_start_ms: warm.map_or(0.0, ms),
-        ttft_samples_ms: ttft.iter().flatten().copied().collect(),
-        ttft_ms: Spread::of(&ttft),
-        completion_ms: Spread::of(&total),
-        decode_tokens_per_second: Spread::of(&rate),
-        queue_delay_ms: Spread::of(&queue),
+        cold_start_ms,
+        warm_start_ms: measured.warm.map_or(0.0, ms),
+        ttft_samples_ms: measured.ttft.iter().flatten().copied().collect(),
+        ttft_ms: Spread::of(&measured.ttft),
+        completion_ms: Spread::of(&measured.completion),
+        decode_tokens_per_second: Spread::of(&measured.rate),
+        queue_delay_ms: Spread::of(&measured.queue),
         peak_server_rss_bytes: peak_rss,
         peak_gpu_memory_bytes: peak_gpu,
         energy_joules: energy,
         mean_power_watts: power,
-        quality_failures: failures,
-        abstentions,
+        quality_failures: measured.failures,
+        abstentions: measured.abstentions,
         decision: plan.decision.clone(),
         owner: plan.owner.clone(),
         retest_date: super::date_after(now, plan.retest_days),
-    })
+    }
 }
 
 fn ms(duration: Duration) -> f64 {
