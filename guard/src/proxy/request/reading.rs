@@ -16,7 +16,7 @@ use crate::{
         outcome::{FailKind, Outcome, Stage},
     },
     upstream::{
-        frames::{self, Lines, StreamFormat},
+        frames::{self, Events, StreamFormat},
         full,
         resume::{self, Transcript},
         usage::{self, Usage},
@@ -47,10 +47,9 @@ pub(super) struct Plain {
 }
 
 /// An answer's text, read event by event as it passes.
-#[derive(Default)]
 struct AnswerText {
     transcript: Transcript,
-    lines: Lines,
+    events: Events,
 }
 
 impl Plain {
@@ -63,19 +62,19 @@ impl Plain {
             },
             success: head.status.is_success(),
             tail: Vec::new(),
-            text: reads_text.then(AnswerText::default),
+            text: reads_text.then(|| AnswerText {
+                transcript: Transcript::default(),
+                events: Events::new(format),
+            }),
         }
     }
 
     fn keep(&mut self, data: &[u8]) {
-        if let Some(AnswerText { transcript, lines }) = &mut self.text
+        if let Some(AnswerText { transcript, events }) = &mut self.text
             && self.format != StreamFormat::Whole
         {
-            let format = self.format;
-            lines.push(data, |line| {
-                if let Some(payload) = format.payload(line) {
-                    transcript.read(payload);
-                }
+            events.push(data, |payload| {
+                transcript.read(payload);
             });
         }
         match self.format {
