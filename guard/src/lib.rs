@@ -14,7 +14,6 @@ mod error_chain;
 pub mod exec;
 pub mod fuzz;
 pub mod jsonscan;
-pub mod listen;
 pub mod logbook;
 pub mod memory;
 pub mod metrics;

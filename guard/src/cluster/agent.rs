@@ -6,7 +6,7 @@ use std::{sync::Arc, time::Duration};
 use prometheus::IntCounter;
 use tokio::{io::AsyncWriteExt as _, net::TcpListener};
 
-use crate::listen::{Accepted, Acceptor, Arrival};
+use guard_net::listen::{Accepted, Acceptor, Arrival};
 
 /// Produces the line, from the owners' state at that moment.
 pub type LineFn = Arc<dyn Fn() -> String + Send + Sync>;

@@ -11,7 +11,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
 use super::Metrics;
-use crate::listen::{Accepted, Acceptor, Arrival};
+use guard_net::listen::{Accepted, Acceptor, Arrival};
 
 /// Produces the `/status` document (JSON), and brings metrics read from elsewhere up to date.
 pub type StatusFn = Arc<dyn Fn() -> String + Send + Sync>;

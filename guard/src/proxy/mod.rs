@@ -2,17 +2,13 @@
 //! go through the class queues, everything else passes straight through.
 
 pub mod budget;
-mod client_body;
 pub mod error;
-mod linger;
 pub mod outcome;
-mod park;
 mod passthrough;
 mod request;
 pub mod resumes;
 mod serve;
 mod throughput;
-mod workers;
 
 use std::{
     collections::BTreeMap,
@@ -20,19 +16,19 @@ use std::{
     time::Duration,
 };
 
+use guard_net::{park::Inbound, workers};
 use http::{Method, Request, Response};
 
 pub use error::{ErrorShape, ProxyError};
 pub use serve::{serve, serve_connection, stop_requested};
 pub use throughput::{Hourly, Throughput};
-pub use workers::{Workers, WorkersError};
+pub use guard_net::workers::{Workers, WorkersError};
 
 use crate::{
     classify::{Classifier, Tally},
     config::{Api, ClassTimeouts, Config},
     metrics::Metrics,
     proxy::outcome::Invalid,
-    proxy::park::Inbound,
     queue::Scheduler,
     reap::{EbpfTracker, registry::Registry},
     route::QueuedPaths,

@@ -15,7 +15,9 @@ use http::{Request, Response};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::BodyExt as _;
 
-use super::{ErrorShape, Proxy, ProxyError, Settings, park::Inbound};
+use guard_net::park::Inbound;
+
+use super::{ErrorShape, Proxy, ProxyError, Settings};
 use crate::upstream::{Body, BoxError};
 
 /// One pass-through request in flight; the count falls when its answer's body is done.

@@ -17,17 +17,17 @@ use tokio::{
     sync::watch,
     time::Instant,
 };
-use tokio_util::task::TaskTracker;
-
-use super::{
-    ErrorShape, Proxy, ProxyError,
+use guard_net::{
     linger::Lingering,
+    listen::{Accepted, Acceptor, Arrival},
     park::{Activity, Inbound, Outbound, Parkable, Watched},
     workers::Workers,
 };
+use tokio_util::task::TaskTracker;
+
+use super::{ErrorShape, Proxy, ProxyError};
 use crate::{
     config::Api,
-    listen::{Accepted, Acceptor, Arrival},
     reap::{registry::Connection, userspace},
 };
 
@@ -137,7 +137,7 @@ impl Handover {
             local,
             shutdown,
         } = self;
-        let _open = super::workers::OpenHere::new();
+        let _open = guard_net::workers::OpenHere::count();
         let registered = TcpStream::from_std(stream).and_then(|stream| {
             let watched = watched.map(TcpStream::from_std).transpose()?;
             Ok((stream, watched))
@@ -200,7 +200,7 @@ pub fn serve_connection<I: Parkable>(
 /// completes no request head within it from its last answer (or its accept) is closed.
 async fn sessions<I: Parkable>(
     proxy: &Arc<Proxy>,
-    mut io: Lingering<I>,
+    mut io: Lingering<I, Connection>,
     connection: &Arc<Connection>,
     mut shutdown: Option<watch::Receiver<bool>>,
 ) {
@@ -232,7 +232,7 @@ async fn sessions<I: Parkable>(
 /// or guard stops.
 async fn park<I: Parkable>(
     proxy: &Proxy,
-    io: &Lingering<I>,
+    io: &Lingering<I, Connection>,
     deadline: Instant,
     shutdown: &mut Option<watch::Receiver<bool>>,
 ) -> bool {
@@ -276,10 +276,10 @@ impl Session<'_> {
     /// socket and what hyper read of a next request; None once the connection is over.
     async fn run<I: Parkable>(
         self,
-        io: Lingering<I>,
+        io: Lingering<I, Connection>,
         leftover: Bytes,
         shutdown: &mut Option<watch::Receiver<bool>>,
-    ) -> Option<(Lingering<I>, Bytes)> {
+    ) -> Option<(Lingering<I, Connection>, Bytes)> {
         let io = Watched::new(io, leftover, Arc::clone(self.activity));
         let half_close = self.proxy.half_close_means_gone();
         // Boxed: while the connection is parked, none of hyper's state is held.

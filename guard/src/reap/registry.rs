@@ -28,6 +28,12 @@ pub struct Connection {
     process: std::sync::OnceLock<Option<Arc<super::peer::Peer>>>,
 }
 
+impl guard_net::linger::Lingers for Connection {
+    fn lingers(&self) -> bool {
+        Connection::lingers(self)
+    }
+}
+
 impl Connection {
     /// Resolves when the client is known to have left or the connection has ended: the
     /// connection's task then closes the socket, and each request on it concludes.

@@ -14,6 +14,7 @@ mod tracked;
 
 use std::{hash::RandomState, sync::Arc, time::Duration};
 
+use guard_net::park::Inbound;
 use http::{HeaderValue, Request, Response};
 use tokio::{sync::oneshot, time::Instant};
 
@@ -31,7 +32,6 @@ use crate::{
     config::ClassTimeouts,
     metrics::Metrics,
     proxy::budget::Held,
-    proxy::park::Inbound,
     queue::{Permit, Scheduler},
     reap::{EbpfTracker, event::monotonic_now, registry::Connection},
     throttle::ttft::TtftWindow,
@@ -131,7 +131,7 @@ impl Reply {
         sent
     }
 
-    fn feed(&self) -> Option<&super::client_body::Feed> {
+    fn feed(&self) -> Option<&guard_net::client_body::Feed> {
         match self {
             Self::Open(relay) => Some(relay.feed()),
             Self::Waiting(_) | Self::Sent => None,

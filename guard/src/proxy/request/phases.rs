@@ -5,6 +5,7 @@
 use std::{hash::BuildHasher as _, sync::Arc};
 
 use bytes::Bytes;
+use guard_net::park::Inbound;
 use http::{Request, request};
 use http_body_util::BodyExt as _;
 
@@ -16,7 +17,6 @@ use crate::{
     classify::RequestFacts,
     metrics::labels::Class,
     config::{Api, FairBy, Preemptible},
-    proxy::park::Inbound,
     proxy::{
         budget::Held,
         error::ProxyError,

@@ -6,6 +6,7 @@
 use std::{pin::Pin, time::Duration};
 
 use bytes::Bytes;
+use guard_net::client_body::{ClientBody, Feed, Finish, Offer};
 use http::{Response, header, request, response};
 use http_body::Frame;
 use http_body_util::BodyExt as _;
@@ -18,7 +19,6 @@ use super::{
 };
 use crate::{
     proxy::{
-        client_body::{ClientBody, Feed, Finish, Offer},
         error::ProxyError,
         outcome::{FailKind, Outcome, Stage, Timeout},
     },

@@ -17,14 +17,18 @@ use tokio::{
     time::Sleep,
 };
 
-use crate::reap::registry::Connection;
+/// What a lingering connection asks of its owner.
+pub trait Lingers {
+    /// Whether the connection is to linger when it closes (an answer went before its body).
+    fn lingers(&self) -> bool;
+}
 
 const LINGER_TOTAL: Duration = Duration::from_secs(30);
 const LINGER_IDLE: Duration = Duration::from_secs(5);
 
-pub struct Lingering<I> {
+pub struct Lingering<I, C> {
     inner: I,
-    connection: Arc<Connection>,
+    connection: Arc<C>,
     drain: Option<Drain>,
 }
 
@@ -33,8 +37,8 @@ struct Drain {
     idle: Pin<Box<Sleep>>,
 }
 
-impl<I> Lingering<I> {
-    pub fn new(inner: I, connection: Arc<Connection>) -> Self {
+impl<I, C> Lingering<I, C> {
+    pub fn new(inner: I, connection: Arc<C>) -> Self {
         Self {
             inner,
             connection,
@@ -47,7 +51,7 @@ impl<I> Lingering<I> {
     }
 }
 
-impl<I: AsyncRead + Unpin> Lingering<I> {
+impl<I: AsyncRead + Unpin, C> Lingering<I, C> {
     /// Reads and drops what the client sends; ready when it stops or time is up.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         let Some(drain) = self.drain.as_mut() else {
@@ -72,7 +76,7 @@ impl<I: AsyncRead + Unpin> Lingering<I> {
     }
 }
 
-impl<I: AsyncRead + Unpin> AsyncRead for Lingering<I> {
+impl<I: AsyncRead + Unpin, C: Lingers> AsyncRead for Lingering<I, C> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -82,7 +86,7 @@ impl<I: AsyncRead + Unpin> AsyncRead for Lingering<I> {
     }
 }
 
-impl<I: AsyncRead + AsyncWrite + Unpin> AsyncWrite for Lingering<I> {
+impl<I: AsyncRead + AsyncWrite + Unpin, C: Lingers> AsyncWrite for Lingering<I, C> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

@@ -147,7 +147,8 @@ impl Anchor {
 pub struct OpenHere(Arc<Anchor>);
 
 impl OpenHere {
-    pub fn new() -> Self {
+    /// Counts a connection open on the thread this runs on.
+    pub fn count() -> Self {
         let anchor = ANCHOR.with(Arc::clone);
         if anchor.open.fetch_add(1, Ordering::Relaxed) == 0 {
             anchor.resumed.notify_one();
@@ -231,7 +232,7 @@ mod tests {
         let workers = Workers::start(1).expect("threads");
         let (tx, rx) = std::sync::mpsc::channel();
         workers.next().spawn(async move {
-            let _open = OpenHere::new();
+            let _open = OpenHere::count();
             // The anchor runs and arms its sleep; the thread's driver then parks (a yield
             // parks it with no timeout) and notes the anchor as its next timer.
             tokio::task::yield_now().await;
