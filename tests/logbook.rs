@@ -5,13 +5,13 @@
 
 use std::{path::Path, process::Command};
 
-use guard::logbook::{
-    Entry,
-    entry::{InputSet, Maybe, Spread},
-};
 use guard_tests::{
     TempDir, guard_bin, serial,
     servers::{LlamaServer, OllamaEmulator},
+};
+use guard_tools::logbook::{
+    Entry,
+    entry::{InputSet, Maybe, Spread},
 };
 
 fn bench(args: &[&str], logbook: &Path) -> Entry {
@@ -27,7 +27,7 @@ fn bench(args: &[&str], logbook: &Path) -> Entry {
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let entries = guard::logbook::read(logbook).expect("read logbook");
+    let entries = guard_tools::logbook::read(logbook).expect("read logbook");
     entries.last().cloned().expect("an entry")
 }
 
@@ -122,7 +122,7 @@ async fn a_baseline_against_llama_server_records_every_field() {
     );
     assert_eq!(
         entry.retest_date,
-        guard::logbook::date_after(jiff::Timestamp::now(), 30)
+        guard_tools::logbook::date_after(jiff::Timestamp::now(), 30)
     );
     let line = std::fs::read_to_string(&logbook).expect("logbook");
     for field in [
@@ -242,12 +242,12 @@ fn due_compare_and_report_on_fixture_entries() {
     let dir = TempDir::new("guard-logbook-fixtures");
     let logbook = dir.0.join("logbook.jsonl");
     // B: TTFT within A's spread, faster decoding (a gain), one more quality failure (a cost).
-    guard::logbook::append(
+    guard_tools::logbook::append(
         &logbook,
         &fixture("aaaa1111", 100.0, (90.0, 120.0), 100.0, 0, "2000-01-01"),
     )
     .expect("append");
-    guard::logbook::append(
+    guard_tools::logbook::append(
         &logbook,
         &fixture("bbbb2222", 110.0, (100.0, 118.0), 150.0, 1, "2999-01-01"),
     )

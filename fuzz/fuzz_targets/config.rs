@@ -1,4 +1,4 @@
-//! libFuzzer target: guard::fuzz::config.
+//! libFuzzer target: guard_tools::fuzz::config.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| guard::fuzz::config(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| guard_tools::fuzz::config(data));

@@ -1,4 +1,4 @@
-//! libFuzzer target: guard::fuzz::ebpf_event.
+//! libFuzzer target: guard_tools::fuzz::ebpf_event.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| guard::fuzz::ebpf_event(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| guard_tools::fuzz::ebpf_event(data));

@@ -1,4 +1,4 @@
-//! libFuzzer target: guard::fuzz::model_field.
+//! libFuzzer target: guard_tools::fuzz::model_field.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| guard::fuzz::model_field(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| guard_tools::fuzz::model_field(data));

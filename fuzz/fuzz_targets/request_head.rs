@@ -1,4 +1,4 @@
-//! libFuzzer target: guard::fuzz::request_head.
+//! libFuzzer target: guard_tools::fuzz::request_head.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| guard::fuzz::request_head(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| guard_tools::fuzz::request_head(data));

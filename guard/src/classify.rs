@@ -345,10 +345,16 @@ impl Tally {
             self.classified.of(&ClassBy { class, by });
         }
         let class = classifier.default.as_str();
-        self.classified.of(&ClassBy { class, by: "default" });
+        self.classified.of(&ClassBy {
+            class,
+            by: "default",
+        });
         for class in &classes {
             let class = class.as_str();
-            self.classified.of(&ClassBy { class, by: "header" });
+            self.classified.of(&ClassBy {
+                class,
+                by: "header",
+            });
             for claimed in &classes {
                 if classifier.priority(claimed) < classifier.priority(class) {
                     let claimed = claimed.as_str();

@@ -5,16 +5,11 @@
 #![forbid(unsafe_code)]
 
 pub mod classify;
-pub mod cli;
 pub mod cluster;
 pub mod config;
 pub mod daemon;
-pub mod doctor;
 mod error_chain;
-pub mod exec;
-pub mod fuzz;
 pub mod jsonscan;
-pub mod logbook;
 pub mod memory;
 pub mod metrics;
 pub mod privileges;

@@ -1,6 +1,8 @@
 //! Shared pieces of guard's integration tests: root checks, RAII guards for cgroups, and
 //! waiting on event streams without sleeping.
 
+#![forbid(unsafe_code)]
+
 use std::{
     os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
@@ -146,7 +148,7 @@ pub fn guard_bin() -> PathBuf {
     let bin = profile_dir.join("guard");
     assert!(
         bin.exists(),
-        "{} is missing: build it first (`cargo build -p guard`, or `cargo xtask test`)",
+        "{} is missing: build it first (`cargo build -p guard-cli`, or `cargo xtask test`)",
         bin.display()
     );
     bin

@@ -50,12 +50,12 @@ pub fn install(root: Option<&Path>) -> Result<()> {
     Ok(())
 }
 
-/// `cargo build --release -p guard` in the workspace.
+/// `cargo build --release -p guard-cli` (the `guard` binary) in the workspace.
 fn build(workspace: &Path) -> Result<()> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut command = Command::new(cargo);
     command
-        .args(["build", "--release", "-p", "guard"])
+        .args(["build", "--release", "-p", "guard-cli"])
         .current_dir(workspace);
     eprintln!("install: building: {command:?}");
     crate::setup::run(&mut command)

@@ -23,9 +23,6 @@ pub const MAX_LINES: usize = 80;
 /// The comment that marks a declarative table, which may be longer.
 pub const TABLE_MARK: &str = "// xtask: table";
 
-/// The workspace crates whose functions are measured.
-const CRATES: [&str; 5] = ["guard", "guard-common", "guard-ebpf", "xtask", "tests"];
-
 /// One function, where it starts and how long it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Function {
@@ -57,8 +54,13 @@ impl fmt::Display for Function {
 /// is not a marked table.
 pub fn check(root: &Path) -> Result<()> {
     let mut functions = Vec::new();
-    for krate in CRATES {
-        for file in rust_files(&root.join(krate))? {
+    let dirs = crate::crates::CRATES.iter().map(|c| c.dir);
+    for dir in dirs.chain(["guard-testkit"]) {
+        let dir = root.join(dir);
+        if !dir.exists() {
+            continue;
+        }
+        for file in rust_files(&dir)? {
             let text = std::fs::read_to_string(&file)
                 .with_context(|| format!("reading {}", file.display()))?;
             let shown = file.strip_prefix(root).unwrap_or(&file);

@@ -3,7 +3,10 @@
 //! xtask never depends on guard itself: it must build on a fresh machine before `setup` has
 //! installed what guard's eBPF build needs.
 
+#![forbid(unsafe_code)]
+
 mod conformance;
+mod crates;
 mod fuzz;
 mod gpu;
 mod install;

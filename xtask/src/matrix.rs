@@ -206,7 +206,7 @@ struct Target {
 
 /// Builds guard and its eBPF test binary; returns the binary's path.
 fn ebpf_test_binary() -> Result<PathBuf> {
-    run(crate::tasks::cargo().args(["build", "-p", "guard"])).context("the build failed")?;
+    run(crate::tasks::cargo().args(["build", "-p", "guard-cli"])).context("the build failed")?;
     let out = crate::tasks::cargo()
         .args(["test", "-p", "guard-tests", "--test", "ebpf", "--no-run"])
         .args(["--message-format=json"])

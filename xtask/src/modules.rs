@@ -13,12 +13,18 @@ use anyhow::{Context as _, Result, bail};
 /// Top-level module -> the top-level modules it uses.
 pub type Graph = BTreeMap<String, BTreeSet<String>>;
 
-/// The import graph, then the function lengths: both run, and either fails it.
+/// The crate graph, each crate's module graph, then the function lengths: all run, and any
+/// fails it.
 pub fn check() -> Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let graph = graph_check(&root.join("guard/src"));
+    let crates = crate::crates::check(&root);
+    let mut modules = Ok(());
+    for krate in crate::crates::CRATES.iter().filter(|c| c.modules) {
+        println!("{}:", krate.name);
+        modules = modules.and(graph_check(&root.join(krate.dir).join("src")));
+    }
     let lengths = crate::lengths::check(&root);
-    graph.and(lengths)
+    crates.and(modules).and(lengths)
 }
 
 fn graph_check(src: &Path) -> Result<()> {

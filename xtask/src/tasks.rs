@@ -86,14 +86,14 @@ pub fn demo() -> Result<()> {
 /// Builds the release binary (no setup: a GPU machine may lack the test servers) and checks
 /// its GPU readings.
 pub fn gpu_check() -> Result<()> {
-    run(cargo().args(["build", "--release", "-p", "guard"])).context("the build failed")?;
+    run(cargo().args(["build", "--release", "-p", "guard-cli"])).context("the build failed")?;
     crate::gpu::check(&release_guard())
 }
 
 pub fn bench(which: Bench, parts: &[String]) -> Result<()> {
     require_root("the benchmarks load eBPF programs")?;
     let installed = setup::all()?;
-    run(cargo().args(["build", "--release", "-p", "guard"])).context("the build failed")?;
+    run(cargo().args(["build", "--release", "-p", "guard-cli"])).context("the build failed")?;
     let mut bench = cargo();
     bench
         .args([
@@ -140,7 +140,7 @@ pub fn build_guard_and(bin: &str, release: bool) -> Result<()> {
     }
     build.args([
         "-p",
-        "guard",
+        "guard-cli",
         "-p",
         "guard-tests",
         "--bin",

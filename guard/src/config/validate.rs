@@ -136,6 +136,7 @@ impl Config {
     }
 
     /// Every integer limit outside the classes, with its range.
+    // xtask: table
     fn ranges(&self) -> Vec<Range> {
         let (server, upstream) = (&self.server, &self.upstream);
         vec![

@@ -97,6 +97,7 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    // xtask: table
     pub fn new() -> Self {
         let registry = Registry::new();
         let metrics = Self {

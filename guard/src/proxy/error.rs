@@ -81,7 +81,9 @@ pub enum ProxyError {
     UpstreamSaid(String),
     #[error("the upstream's answer ended before its end marker")]
     Truncated,
-    #[error("method {method} is not passed on: guard forwards requests for a path on the upstream only")]
+    #[error(
+        "method {method} is not passed on: guard forwards requests for a path on the upstream only"
+    )]
     MethodNotAllowed { method: http::Method },
     #[error("guard let go of this request (an internal error)")]
     Internal,

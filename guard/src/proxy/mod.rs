@@ -20,9 +20,9 @@ use guard_net::{park::Inbound, workers};
 use http::{Method, Request, Response};
 
 pub use error::{ErrorShape, ProxyError};
+pub use guard_net::workers::{Workers, WorkersError};
 pub use serve::{serve, serve_connection, stop_requested};
 pub use throughput::{Hourly, Throughput};
-pub use guard_net::workers::{Workers, WorkersError};
 
 use crate::{
     classify::{Classifier, Tally},
@@ -169,7 +169,9 @@ impl Proxy {
         queued
             .connector
             .set_idle_max(config.upstream.max_concurrency as usize);
-        queued.budget.set_cap(config.server.max_body_bytes_in_flight);
+        queued
+            .budget
+            .set_cap(config.server.max_body_bytes_in_flight);
         queued.remote_models.set_named_models(config);
         self.connections
             .set_half_close_means_gone(config.server.half_close_means_gone);

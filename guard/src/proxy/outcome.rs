@@ -10,10 +10,10 @@ use crate::{
             ClassStage, ClassWhich, Reason,
         },
     },
-    upstream::usage::Usage,
     proxy::error::ProxyError,
     queue::RejectReason,
     upstream::UpstreamError,
+    upstream::usage::Usage,
 };
 
 /// Where a request was when it ended.
@@ -194,7 +194,9 @@ pub fn init_class(metrics: &Metrics, class: &str) {
         metrics.preempt_resumes_total.of(&ClassKind { class, kind });
     }
     for source in ["computed", "cached"] {
-        metrics.prompt_tokens_total.of(&ClassSource { class, source });
+        metrics
+            .prompt_tokens_total
+            .of(&ClassSource { class, source });
     }
     for outcome in OUTCOMES {
         metrics.requests_total.of(&ClassOutcome { class, outcome });
@@ -344,7 +346,10 @@ impl Outcome {
         let (Some(class), Some(outcome)) = (facts.class, self.label()) else {
             return;
         };
-        metrics.requests_total.of(&ClassOutcome { class, outcome }).inc();
+        metrics
+            .requests_total
+            .of(&ClassOutcome { class, outcome })
+            .inc();
         timings(metrics, class, facts);
         if let Some(job) = &facts.job {
             record_job(metrics, class, job);
@@ -352,7 +357,10 @@ impl Outcome {
         match self {
             Self::Rejected { reason, stage } => {
                 let reason = reason.as_str();
-                metrics.rejected_total.of(&ClassReason { class, reason }).inc();
+                metrics
+                    .rejected_total
+                    .of(&ClassReason { class, reason })
+                    .inc();
                 if *stage != Stage::Arrival {
                     metrics
                         .rejected_after_queueing_total
@@ -369,7 +377,10 @@ impl Outcome {
             Self::Reaped(stage) => reaped(metrics, class, *stage, facts),
             Self::TimedOut { which, .. } => {
                 let which = which.as_str();
-                metrics.timed_out_total.of(&ClassWhich { class, which }).inc();
+                metrics
+                    .timed_out_total
+                    .of(&ClassWhich { class, which })
+                    .inc();
             }
             Self::Invalid(_) | Self::Refused { .. } => {}
         }
@@ -389,7 +400,10 @@ fn record_job(metrics: &Metrics, class: &str, job: &Job<'_>) {
     let usage = job.usage;
     for (kind, count) in [("prompt", usage.prompt), ("generated", usage.generated)] {
         if let Some(count) = count {
-            metrics.tokens_total.of(&ClassKind { class, kind }).inc_by(count);
+            metrics
+                .tokens_total
+                .of(&ClassKind { class, kind })
+                .inc_by(count);
         }
     }
     let read = [
@@ -398,7 +412,9 @@ fn record_job(metrics: &Metrics, class: &str, job: &Job<'_>) {
     ];
     for (source, count) in read {
         if let Some(count) = count {
-            let series = metrics.prompt_tokens_total.of(&ClassSource { class, source });
+            let series = metrics
+                .prompt_tokens_total
+                .of(&ClassSource { class, source });
             series.inc_by(count);
         }
     }
@@ -436,7 +452,10 @@ fn timings(metrics: &Metrics, class: &str, facts: &Facts<'_>) {
         series.observe(error);
     }
     if let Some(ttft) = facts.ttft {
-        metrics.ttft_seconds.of(&by_class).observe(ttft.as_secs_f64());
+        metrics
+            .ttft_seconds
+            .of(&by_class)
+            .observe(ttft.as_secs_f64());
     }
 }
 
@@ -447,7 +466,13 @@ fn duration(metrics: &Metrics, class: &str, elapsed: Duration) {
 
 fn reaped(metrics: &Metrics, class: &str, stage: Stage, facts: &Facts<'_>) {
     let label = stage.as_str();
-    metrics.reaped_total.of(&ClassStage { class, stage: label }).inc();
+    metrics
+        .reaped_total
+        .of(&ClassStage {
+            class,
+            stage: label,
+        })
+        .inc();
     let latency = facts
         .gone_at
         .map(|gone_at| facts.now_monotonic.saturating_sub(gone_at));

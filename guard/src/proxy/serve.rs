@@ -5,6 +5,12 @@
 use std::{convert::Infallible, net::SocketAddr, pin::Pin, sync::Arc, task::Poll, time::Duration};
 
 use bytes::{Bytes, BytesMut};
+use guard_net::{
+    linger::Lingering,
+    listen::{Accepted, Acceptor, Arrival},
+    park::{Activity, Inbound, Outbound, Parkable, Watched},
+    workers::Workers,
+};
 use http::{Request, Response};
 use hyper::{
     body::Incoming,
@@ -16,12 +22,6 @@ use tokio::{
     net::{TcpListener, TcpStream},
     sync::watch,
     time::Instant,
-};
-use guard_net::{
-    linger::Lingering,
-    listen::{Accepted, Acceptor, Arrival},
-    park::{Activity, Inbound, Outbound, Parkable, Watched},
-    workers::Workers,
 };
 use tokio_util::task::TaskTracker;
 

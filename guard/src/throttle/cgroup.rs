@@ -68,6 +68,63 @@ pub struct Cgroup {
     pub control: Control,
 }
 
+impl Control {
+    /// The file that throttles `path` in `mode`, and the value that does; else what is
+    /// missing (what it needs, and how to get it).
+    fn of(
+        path: &Path,
+        mount: &Mount,
+        mode: Throttle,
+    ) -> Result<Self, (&'static str, &'static str)> {
+        Ok(match (&mount.v1_controllers, mode) {
+            (None, Throttle::Freeze) => Control {
+                file: path.join("cgroup.freeze"),
+                throttled: "1".to_owned(),
+            },
+            (None, Throttle::Cpu(percent)) => {
+                let parent = path.parent().unwrap_or(&mount.root);
+                let enabled = std::fs::read_to_string(parent.join("cgroup.subtree_control"))
+                    .unwrap_or_default();
+                if !enabled.split_whitespace().any(|c| c == "cpu") {
+                    return Err((
+                        "the cgroup v2 cpu controller (cpu.max)",
+                        ": enable it with `echo +cpu > PARENT/cgroup.subtree_control`, or use a v1 cpu hierarchy such as /sys/fs/cgroup/cpu/...",
+                    ));
+                }
+                Control {
+                    file: path.join("cpu.max"),
+                    throttled: format!("{} 100000", percent * 1000),
+                }
+            }
+            (Some(controllers), Throttle::Freeze) => {
+                if !controllers.iter().any(|c| c == "freezer") {
+                    return Err((
+                        "the v1 freezer controller",
+                        ": put the cgroup under the freezer hierarchy (e.g. /sys/fs/cgroup/freezer/...)",
+                    ));
+                }
+                Control {
+                    file: path.join("freezer.state"),
+                    throttled: "FROZEN".to_owned(),
+                }
+            }
+            (Some(controllers), Throttle::Cpu(percent)) => {
+                if !controllers.iter().any(|c| c == "cpu") {
+                    return Err((
+                        "the v1 cpu controller",
+                        ": put the cgroup under the cpu hierarchy (e.g. /sys/fs/cgroup/cpu/...)",
+                    ));
+                }
+                // The period is 100 ms; N % of one CPU is N ms of it.
+                Control {
+                    file: path.join("cpu.cfs_quota_us"),
+                    throttled: (percent * 1000).to_string(),
+                }
+            }
+        })
+    }
+}
+
 impl Cgroup {
     /// Resolves `path` against the host's cgroup mounts and checks that `mode` can be applied
     /// there. Creates the cgroup directory where it is missing.
@@ -85,52 +142,8 @@ impl Cgroup {
             needs,
             hint,
         };
-        let control = match (&mount.v1_controllers, mode) {
-            (None, Throttle::Freeze) => Control {
-                file: path.join("cgroup.freeze"),
-                throttled: "1".to_owned(),
-            },
-            (None, Throttle::Cpu(percent)) => {
-                let parent = path.parent().unwrap_or(&mount.root);
-                let enabled = std::fs::read_to_string(parent.join("cgroup.subtree_control"))
-                    .unwrap_or_default();
-                if !enabled.split_whitespace().any(|c| c == "cpu") {
-                    return Err(missing(
-                        "the cgroup v2 cpu controller (cpu.max)",
-                        ": enable it with `echo +cpu > PARENT/cgroup.subtree_control`, or use a v1 cpu hierarchy such as /sys/fs/cgroup/cpu/...",
-                    ));
-                }
-                Control {
-                    file: path.join("cpu.max"),
-                    throttled: format!("{} 100000", percent * 1000),
-                }
-            }
-            (Some(controllers), Throttle::Freeze) => {
-                if !controllers.iter().any(|c| c == "freezer") {
-                    return Err(missing(
-                        "the v1 freezer controller",
-                        ": put the cgroup under the freezer hierarchy (e.g. /sys/fs/cgroup/freezer/...)",
-                    ));
-                }
-                Control {
-                    file: path.join("freezer.state"),
-                    throttled: "FROZEN".to_owned(),
-                }
-            }
-            (Some(controllers), Throttle::Cpu(percent)) => {
-                if !controllers.iter().any(|c| c == "cpu") {
-                    return Err(missing(
-                        "the v1 cpu controller",
-                        ": put the cgroup under the cpu hierarchy (e.g. /sys/fs/cgroup/cpu/...)",
-                    ));
-                }
-                // The period is 100 ms; N % of one CPU is N ms of it.
-                Control {
-                    file: path.join("cpu.cfs_quota_us"),
-                    throttled: (percent * 1000).to_string(),
-                }
-            }
-        };
+        let control =
+            Control::of(path, &mount, mode).map_err(|(needs, hint)| missing(needs, hint))?;
         std::fs::create_dir_all(path).map_err(|source| CgroupError::Io {
             path: path.to_owned(),
             source,

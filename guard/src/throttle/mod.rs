@@ -6,10 +6,15 @@ pub mod risk;
 pub mod state;
 pub mod ttft;
 
-use crate::metrics::labels::{Class, ClassChange};
 use std::time::{Duration, Instant};
 
-use crate::{config::Config, metrics::Metrics};
+use crate::{
+    config::Config,
+    metrics::{
+        Metrics,
+        labels::{Class, ClassChange},
+    },
+};
 use cgroup::Cgroup;
 use state::{Record, StateError};
 
@@ -150,9 +155,11 @@ impl Throttler {
             for (change, reason) in CHANGES {
                 let reason = reason.as_str();
                 let class = name;
-                metrics
-                    .throttle_changes_total
-                    .of(&ClassChange { class, change, reason });
+                metrics.throttle_changes_total.of(&ClassChange {
+                    class,
+                    change,
+                    reason,
+                });
             }
         }
         Ok(Self {

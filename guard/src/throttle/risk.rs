@@ -3,7 +3,6 @@
 //! threshold (hysteresis), and guard lifts its holds only after every signal has been clear
 //! for `risk.hold_ms`.
 
-use crate::metrics::labels;
 use std::{
     collections::BTreeSet,
     sync::{Arc, Mutex},
@@ -13,7 +12,12 @@ use std::{
 use tokio::time::Instant;
 
 use super::{Hold, Limits, Reason, Throttler, ttft::TtftWindow};
-use crate::{config::Config, metrics::Metrics, queue::Scheduler, watch::Watched};
+use crate::{
+    config::Config,
+    metrics::{Metrics, labels},
+    queue::Scheduler,
+    watch::Watched,
+};
 
 /// A signal may clear only below this share of its threshold.
 const CLEAR_BAND: f64 = 0.8;
@@ -242,25 +246,7 @@ pub async fn run(mut configs: tokio::sync::watch::Receiver<Config>, detector: De
             protected = protected_classes(&config);
         }
         let hold = Duration::from_millis(config.risk.hold_ms);
-        let signals = watched.signals();
-        let waits = scheduler.wait_fractions();
-        let inputs = Inputs {
-            wait_fractions: waits
-                .iter()
-                .filter(|(class, _)| protected.iter().any(|(p, _)| p == class))
-                .map(|(_, f)| *f)
-                .collect(),
-            ttft: protected
-                .iter()
-                .filter_map(|(class, deadline)| {
-                    let (p95, samples) = ttft.p95(class, TTFT_WINDOW)?;
-                    Some((p95, samples, *deadline))
-                })
-                .collect(),
-            swap_in: signals.swap_in_pages_per_second,
-            memory_pressure: signals.memory_pressure,
-            gpu_memory: signals.gpu_memory_fraction,
-        };
+        let inputs = Inputs::read(&scheduler, &watched, &ttft, &protected);
         let on = evaluate(&inputs, &config.risk, &state.signals);
         for signal in Signal::ALL {
             let reason = signal.as_str();
@@ -292,6 +278,36 @@ pub async fn run(mut configs: tokio::sync::watch::Receiver<Config>, detector: De
         if state.at_risk {
             dispatch.bound(&scheduler, &config, Instant::now());
             lock(&throttler).throttle(&config, Instant::now().into_std());
+        }
+    }
+}
+
+impl Inputs {
+    /// What the detector looks at now: the protected classes' waits and TTFTs, and the host.
+    fn read(
+        scheduler: &Scheduler,
+        watched: &Watched,
+        ttft: &TtftWindow,
+        protected: &[(String, Duration)],
+    ) -> Self {
+        let signals = watched.signals();
+        let waits = scheduler.wait_fractions();
+        Self {
+            wait_fractions: waits
+                .iter()
+                .filter(|(class, _)| protected.iter().any(|(p, _)| p == class))
+                .map(|(_, f)| *f)
+                .collect(),
+            ttft: protected
+                .iter()
+                .filter_map(|(class, deadline)| {
+                    let (p95, samples) = ttft.p95(class, TTFT_WINDOW)?;
+                    Some((p95, samples, *deadline))
+                })
+                .collect(),
+            swap_in: signals.swap_in_pages_per_second,
+            memory_pressure: signals.memory_pressure,
+            gpu_memory: signals.gpu_memory_fraction,
         }
     }
 }

@@ -139,12 +139,18 @@ impl GpuMetrics {
                 }
             }
             for reason in &gpu.throttle_reasons {
-                let of = GpuReason { gpu: &label, reason };
+                let of = GpuReason {
+                    gpu: &label,
+                    reason,
+                };
                 self.throttled.of(&of).set(1.0);
             }
             for (pid, bytes) in &gpu.processes {
                 let pid = pid.to_string();
-                let of = GpuPid { gpu: &label, pid: &pid };
+                let of = GpuPid {
+                    gpu: &label,
+                    pid: &pid,
+                };
                 self.process_memory.of(&of).set(*bytes as f64);
             }
         }

@@ -8,7 +8,10 @@ use prometheus::{Gauge, IntGauge};
 
 use crate::{
     config::Config,
-    metrics::{Family, Gauges, Metrics, labels::{ByResource, Resource}},
+    metrics::{
+        Family, Gauges, Metrics,
+        labels::{ByResource, Resource},
+    },
 };
 
 /// One sample; `None` where the kernel does not offer the reading.

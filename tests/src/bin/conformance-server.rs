@@ -153,15 +153,7 @@ fn start_llama(llama: &str, args: &mut Vec<String>) -> Option<(Child, u16)> {
 /// Starts `command` with every signal unblocked (a child inherits the blocked mask) and set
 /// to die with this process, so that a suite that kills this wrapper frees its port.
 fn child(command: &mut Command) -> std::io::Result<Child> {
-    // SAFETY: between fork and exec the closure calls only async-signal-safe functions
-    // (pthread_sigmask and prctl) and allocates nothing.
-    unsafe {
-        command.pre_exec(|| {
-            SigSet::empty().thread_set_mask()?;
-            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
-            Ok(())
-        });
-    }
+    guard_sys::process::unblocked_and_tied(command);
     command.spawn()
 }
 

@@ -36,7 +36,8 @@ use crate::{
     reap::{EbpfTracker, event::monotonic_now, registry::Connection},
     throttle::ttft::TtftWindow,
     upstream::{
-        Body, Client, asks::Asks,
+        Body, Client,
+        asks::Asks,
         exchange::{Connector, Exchange},
         resume::Endpoint,
         usage::Usage,
@@ -333,7 +334,12 @@ impl QueuedRequest {
 
     /// A dispatched request as a job, valid when it completed with the server's own end
     /// marker (and JSON where its class expects it); its hour's counts go to the throughput.
-    fn job<'a>(&'a self, outcome: &Outcome, per_token: Option<Duration>, usage: &'a Usage) -> Option<Job<'a>> {
+    fn job<'a>(
+        &'a self,
+        outcome: &Outcome,
+        per_token: Option<Duration>,
+        usage: &'a Usage,
+    ) -> Option<Job<'a>> {
         let (Some(class), Some(_)) = (self.class.as_deref(), self.waited) else {
             return None;
         };

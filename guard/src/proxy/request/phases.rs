@@ -15,8 +15,8 @@ use super::{
 };
 use crate::{
     classify::RequestFacts,
-    metrics::labels::Class,
     config::{Api, FairBy, Preemptible},
+    metrics::labels::Class,
     proxy::{
         budget::Held,
         error::ProxyError,
@@ -265,18 +265,18 @@ impl QueuedRequest {
             Ok(Err(BodyError::BudgetFull)) => Err(self.body_bytes_full()),
             Ok(Err(BodyError::Read(err))) => Err(Ending::Told(ProxyError::BodyRead(err))),
             Err(_) => Err(Ending::Told(ProxyError::BodyReadTimeout {
-                    limit: self.timeouts.body_read,
-                })),
+                limit: self.timeouts.body_read,
+            })),
         }
     }
 
     fn body_bytes_full(&self) -> Ending {
         let reason = RejectReason::BodyBytesFull;
         Ending::Told(ProxyError::Rejected {
-                class: self.class.clone().unwrap_or_default(),
-                reason,
-                retry_after: std::time::Duration::from_secs(1),
-            })
+            class: self.class.clone().unwrap_or_default(),
+            reason,
+            retry_after: std::time::Duration::from_secs(1),
+        })
     }
 
     /// Refuses a model served elsewhere where the class may not ask for one: the private
@@ -291,9 +291,9 @@ impl QueuedRequest {
             return Ok(());
         }
         Err(Ending::Told(ProxyError::RemoteModel {
-                class: class.to_owned(),
-                model: quote(model),
-            }))
+            class: class.to_owned(),
+            model: quote(model),
+        }))
     }
 
     /// The class of this request; `last` is the final decision, which the tally counts.
@@ -327,16 +327,20 @@ impl QueuedRequest {
                 self.predicted = ticket.predicted();
                 // Counted at once, so that admitted = outcomes + in flight + queued at every
                 // moment; every outcome is counted by `conclude`.
-                let admitted = self.shared.metrics.admitted_total.of(&Class { class: &class });
+                let admitted = self
+                    .shared
+                    .metrics
+                    .admitted_total
+                    .of(&Class { class: &class });
                 admitted.inc();
                 self.place = Place::Queued;
                 Ok(ticket)
             }
             Err(rejection) => Err(Ending::Told(ProxyError::Rejected {
-                    class,
-                    reason: rejection.reason,
-                    retry_after: rejection.retry_after,
-                })),
+                class,
+                reason: rejection.reason,
+                retry_after: rejection.retry_after,
+            })),
         }
     }
 
@@ -362,10 +366,10 @@ impl QueuedRequest {
                 Ok(())
             }
             Err(rejection) => Err(Ending::Told(ProxyError::Rejected {
-                    class: self.class.clone().unwrap_or_default(),
-                    reason: rejection.reason,
-                    retry_after: rejection.retry_after,
-                })),
+                class: self.class.clone().unwrap_or_default(),
+                reason: rejection.reason,
+                retry_after: rejection.retry_after,
+            })),
         }
     }
 
@@ -384,9 +388,7 @@ impl QueuedRequest {
             .shared
             .upstream
             .for_exchange(head, body)
-            .map_err(|err| {
-                Ending::Told(err.into())
-            })?;
+            .map_err(|err| Ending::Told(err.into()))?;
         let watch = self.watch();
         let response_timeout = self.shared.response_timeout;
         let starting = tokio::time::timeout(

@@ -18,9 +18,7 @@ use super::{
 use crate::{
     config::Api,
     metrics::labels::Class,
-    proxy::{
-        error::ProxyError,
-    },
+    proxy::error::ProxyError,
     queue::Progress,
     upstream::{
         api::{self, llama},
@@ -85,7 +83,11 @@ impl QueuedRequest {
 
     /// Takes a continuation's exchange as the one to relay, where its answer is a stream;
     /// else the client's answer is cut short, and must not end as if whole.
-    pub(super) fn went_on(&mut self, exchange: Exchange, answer: &response::Parts) -> Option<Ending> {
+    pub(super) fn went_on(
+        &mut self,
+        exchange: Exchange,
+        answer: &response::Parts,
+    ) -> Option<Ending> {
         let streams =
             StreamFormat::of(answer.headers.get(header::CONTENT_TYPE)) != StreamFormat::Whole;
         if !answer.status.is_success() || !streams {
@@ -169,10 +171,10 @@ impl QueuedRequest {
         };
         let permit = granted.map_err(|rejection| {
             Ending::Told(ProxyError::Rejected {
-                    class: class.clone(),
-                    reason: rejection.reason,
-                    retry_after: rejection.retry_after,
-                })
+                class: class.clone(),
+                reason: rejection.reason,
+                retry_after: rejection.retry_after,
+            })
         })?;
         self.place = Place::Running(permit);
         self.preemptions.pauses.push(paused.elapsed());

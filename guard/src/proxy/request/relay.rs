@@ -22,11 +22,7 @@ use crate::{
         error::ProxyError,
         outcome::{FailKind, Outcome, Stage, Timeout},
     },
-    upstream::{
-        exchange::Exchange,
-        frames::StreamFormat,
-        strip_hop_by_hop,
-    },
+    upstream::{exchange::Exchange, frames::StreamFormat, strip_hop_by_hop},
 };
 
 /// How long a client that left after data waits for the upstream's end: an SSE client closes

@@ -4,7 +4,7 @@
 
 use std::sync::LazyLock;
 
-use crate::{
+use guard::{
     config::{Api, Config},
     jsonscan,
     proxy::error_shape,
@@ -26,7 +26,7 @@ pub fn request_head(data: &[u8]) {
         return;
     };
     let path = request.path.unwrap_or("/");
-    if let Ok(normalized) = crate::route::normalize(path) {
+    if let Ok(normalized) = guard::route::normalize(path) {
         // What a router would match: rooted, without dot or empty segments.
         assert!(normalized.starts_with('/'), "{path:?}");
         let segments: Vec<&str> = normalized.split('/').skip(1).collect();
@@ -64,7 +64,7 @@ pub fn model_field(data: &[u8]) {
     if let Ok(serde_json::Value::Object(object)) = serde_json::from_slice(data) {
         assert!(members >= object.len());
     }
-    let _ = crate::proxy::read_asks(data);
+    let _ = guard::proxy::read_asks(data);
 }
 
 /// A config file: loaded, and where accepted, used.

@@ -41,7 +41,7 @@ pub enum LogbookError {
     Request {
         path: String,
         #[source]
-        source: crate::upstream::BoxError,
+        source: guard::upstream::BoxError,
     },
     #[error("{path} answered {status}: {said}")]
     Answer {
@@ -59,7 +59,7 @@ pub enum LogbookError {
 
 impl LogbookError {
     /// A request to `path` that failed on the way.
-    fn request(path: &str, source: impl Into<crate::upstream::BoxError>) -> Self {
+    fn request(path: &str, source: impl Into<guard::upstream::BoxError>) -> Self {
         Self::Request {
             path: path.to_owned(),
             source: source.into(),

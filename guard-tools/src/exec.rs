@@ -4,7 +4,7 @@
 
 use std::{os::unix::process::CommandExt as _, path::PathBuf, process::Command};
 
-use crate::config::Config;
+use guard::config::Config;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {

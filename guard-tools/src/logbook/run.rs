@@ -19,7 +19,7 @@ use super::{
     LogbookError,
     entry::{Entry, InputSet, Maybe, Spread},
 };
-use crate::{
+use guard::{
     config::Api,
     upstream::{
         api::{self, llama, ollama, openai},
@@ -183,7 +183,7 @@ async fn stream_once(
         return Err(LogbookError::Answer {
             path: path.to_owned(),
             status,
-            said: crate::quote::quote(&String::from_utf8_lossy(&said)),
+            said: guard::quote::quote(&String::from_utf8_lossy(&said)),
         });
     }
     let mut sample = read_stream(plan.api, response.into_body(), sent)
@@ -432,7 +432,7 @@ impl Server {
     async fn describe(client: &HttpClient, plan: &Plan) -> Self {
         let pid = plan.server_pid.or_else(|| {
             let port = plan.url.parse::<http::Uri>().ok()?.port_u16()?;
-            crate::watch::host::listening_pid(port)
+            guard::watch::host::listening_pid(port)
         });
         let (runtime_version, server_model) = describe_server(client, plan).await;
         let launch_flags = plan

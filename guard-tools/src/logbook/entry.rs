@@ -32,7 +32,7 @@ impl Spread {
 
 /// The value at quantile `q` of `samples` (0 for none).
 pub fn quantile(samples: &[f64], q: f64) -> f64 {
-    crate::quantile::quantile(samples, q).unwrap_or(0.0)
+    guard::quantile::quantile(samples, q).unwrap_or(0.0)
 }
 
 /// A measurement that may be absent on this machine: a number or "unavailable".
@@ -74,7 +74,7 @@ pub struct Entry {
     pub runtime: String,
     pub runtime_version: String,
     pub launch_flags: String,
-    pub api: crate::config::Api,
+    pub api: guard::config::Api,
     pub url: String,
     pub workload_class: String,
     pub input_set: InputSet,

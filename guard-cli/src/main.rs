@@ -1,15 +1,20 @@
 //! guard's entry point: parses the command line and wires the pieces together.
 
+#![forbid(unsafe_code)]
+
 use std::{io::IsTerminal as _, path::PathBuf, process::ExitCode};
 
 use anyhow::Context as _;
 use clap::Parser as _;
+use cli::{BenchArgs, Cli, Command, LogbookCommand};
 use guard::{
-    cli::{BenchArgs, Cli, Command, LogbookCommand},
     config::{self, Config, ConfigError},
-    daemon, doctor, logbook, privileges, status,
+    daemon, privileges,
     throttle::{self, state::Restored},
 };
+use guard_tools::{doctor, logbook, status};
+
+mod cli;
 
 /// The exit status for a bad config (docs/design.md §4).
 const EXIT_BAD_CONFIG: u8 = 64;
@@ -78,7 +83,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 Ok((config, _)) => config,
                 Err(err) => return Ok(bad_config(&err)),
             };
-            let err = guard::exec::exec(&config, &class, &command);
+            let err = guard_tools::exec::exec(&config, &class, &command);
             eprintln!("guard exec: {}", guard::error_chain(&err));
             Ok(ExitCode::from(EXIT_BAD_CONFIG))
         }

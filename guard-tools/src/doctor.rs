@@ -6,7 +6,7 @@ use std::{
     time::Duration,
 };
 
-use crate::{config::Config, reap::ebpf};
+use guard::{config::Config, reap::ebpf};
 
 /// One check's outcome.
 pub struct Check {
@@ -82,7 +82,7 @@ pub fn run(config: &Config) -> Vec<Check> {
     if config
         .class
         .values()
-        .any(|class| class.preemptible != crate::config::Preemptible::No)
+        .any(|class| class.preemptible != guard::config::Preemptible::No)
     {
         checks.push(Check {
             name: "preempted requests go on",
@@ -125,7 +125,7 @@ pub fn render(checks: &[Check]) -> (String, bool) {
             Ok(text) => ("ok     ", text.clone()),
             Err(missing) => {
                 all_ok = false;
-                ("missing", crate::error_chain(missing))
+                ("missing", guard::error_chain(missing))
             }
         };
         out.push_str(&format!("{word} {:<38} {text}\n", check.name));
@@ -134,7 +134,7 @@ pub fn render(checks: &[Check]) -> (String, bool) {
 }
 
 fn cgroups() -> Result<String, Missing> {
-    let v2 = crate::throttle::cgroup::mounts()
+    let v2 = guard::throttle::cgroup::mounts()
         .into_iter()
         .find(|m| m.v1_controllers.is_none())
         .map(|m| m.root);
@@ -164,9 +164,9 @@ fn cgroups() -> Result<String, Missing> {
 /// What this process holds, what a running guard keeps after start, and where it learns who
 /// a client is.
 fn capabilities(config: &Config, ebpf_ready: bool) -> String {
-    let held = crate::privileges::held();
+    let held = guard::privileges::held();
     let mut kept: Vec<String> =
-        crate::privileges::needed(config, ebpf_ready && config.ebpf.enabled)
+        guard::privileges::needed(config, ebpf_ready && config.ebpf.enabled)
             .iter()
             .map(ToString::to_string)
             .collect();
@@ -208,13 +208,13 @@ fn nvml() -> Result<String, Missing> {
 /// How a preemptible class's requests go on: from the exact token ids where the upstream is
 /// llama-server (its `/props` answers with a build), else from their text.
 fn resume(config: &Config) -> String {
-    if config.upstream.api == crate::config::Api::Ollama {
+    if config.upstream.api == guard::config::Api::Ollama {
         return "from their text: Ollama's API gives no token ids (preemptible = \"exact-only\" \
                 never stops them)"
             .to_owned();
     }
     let props = get(config, "/props")
-        .and_then(|body| serde_json::from_slice::<crate::upstream::api::llama::Props>(&body).ok());
+        .and_then(|body| serde_json::from_slice::<guard::upstream::api::llama::Props>(&body).ok());
     match props.and_then(|p| p.build_info) {
         Some(build) => format!(
             "from the exact token ids: llama-server {build} (its prompt cache, --cache-ram, \

@@ -60,7 +60,7 @@ pub enum Command {
     /// List, check due retests, compare, and plot logbook entries.
     Logbook {
         /// The logbook file.
-        #[arg(long, default_value = crate::logbook::DEFAULT_PATH, global = true)]
+        #[arg(long, default_value = guard_tools::logbook::DEFAULT_PATH, global = true)]
         logbook: PathBuf,
         #[command(subcommand)]
         command: LogbookCommand,
@@ -121,7 +121,7 @@ pub struct BenchArgs {
     /// Days until this baseline should be measured again.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u16).range(0..=3_660))]
     pub retest_days: u16,
-    #[arg(long, default_value = crate::logbook::DEFAULT_PATH)]
+    #[arg(long, default_value = guard_tools::logbook::DEFAULT_PATH)]
     pub logbook: PathBuf,
 }
 

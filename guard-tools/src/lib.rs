@@ -1,0 +1,11 @@
+//! guard's tools beside the daemon: the benchmark logbook (`guard bench`, `guard logbook`),
+//! `guard doctor`, `guard status`'s tables, `guard exec`, and the entry points the fuzzers
+//! drive. The daemon (the `guard` crate) never depends on them.
+
+#![forbid(unsafe_code)]
+
+pub mod doctor;
+pub mod exec;
+pub mod fuzz;
+pub mod logbook;
+pub mod status;
