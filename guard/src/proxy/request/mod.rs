@@ -177,7 +177,23 @@ enum Place {
     /// In its class's queue: first, or again after a preemption.
     Queued,
     /// Its turn came: it holds a slot upstream until its exchange is over.
-    Running(Permit),
+    Running(Running),
+}
+
+/// A request holding a slot upstream, and the exchange on it once sent (none between a
+/// preemption's pause and its continuation).
+struct Running {
+    permit: Permit,
+    exchange: Option<Exchange>,
+}
+
+impl Running {
+    fn new(permit: Permit) -> Self {
+        Self {
+            permit,
+            exchange: None,
+        }
+    }
 }
 
 impl Place {
@@ -189,10 +205,14 @@ impl Place {
         }
     }
 
-    /// Gives its slot back: a running request is queued again (or about to end).
+    /// Gives its slot back: a running request is queued again (or about to end). Its
+    /// exchange ends first (the socket closes): only an exchange that is over frees its slot.
     fn give_back(&mut self) -> Option<Permit> {
         match std::mem::replace(self, Self::Queued) {
-            Self::Running(permit) => Some(permit),
+            Self::Running(Running { permit, exchange }) => {
+                drop(exchange);
+                Some(permit)
+            }
             other => {
                 *self = other;
                 None
@@ -202,8 +222,31 @@ impl Place {
 
     fn permit(&self) -> Option<&Permit> {
         match self {
-            Self::Running(permit) => Some(permit),
+            Self::Running(running) => Some(&running.permit),
             Self::Arrival | Self::Queued => None,
+        }
+    }
+
+    /// The exchange of a running request, once sent.
+    fn exchange(&mut self) -> Option<&mut Exchange> {
+        match self {
+            Self::Running(running) => running.exchange.as_mut(),
+            Self::Arrival | Self::Queued => None,
+        }
+    }
+
+    /// A running request's permit and exchange, borrowed apart.
+    fn running(&mut self) -> (Option<&Permit>, Option<&mut Exchange>) {
+        match self {
+            Self::Running(running) => (Some(&running.permit), running.exchange.as_mut()),
+            Self::Arrival | Self::Queued => (None, None),
+        }
+    }
+
+    /// Makes `exchange` the running request's exchange (the one before it ends first).
+    fn set_exchange(&mut self, exchange: Option<Exchange>) {
+        if let Self::Running(running) = self {
+            running.exchange = exchange;
         }
     }
 }
@@ -222,7 +265,6 @@ pub(super) struct QueuedRequest {
     held: Option<Held>,
     /// The whole body has been read (else the connection cannot carry another request).
     body_read: bool,
-    exchange: Option<Exchange>,
     reply: Reply,
     model: Option<String>,
     /// On arrival, when guard predicted the request would start.
@@ -261,7 +303,6 @@ impl QueuedRequest {
             place: Place::Arrival,
             held: None,
             body_read: false,
-            exchange: None,
             reply: Reply::Waiting(respond),
             model: None,
             predicted: Duration::ZERO,
@@ -401,7 +442,6 @@ impl QueuedRequest {
     /// exchange that is over frees its slot. A completed one teaches the estimator.
     fn free_upstream(&mut self, completed: bool) {
         self.held = None;
-        self.exchange = None;
         if let Some(permit) = self.place.give_back() {
             if completed {
                 let usage = self.usage.unwrap_or_default();

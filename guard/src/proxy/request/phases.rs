@@ -10,7 +10,7 @@ use http::{Request, request};
 use http_body_util::BodyExt as _;
 
 use super::{
-    Ending, Place, QueuedRequest, Shared,
+    Ending, Place, QueuedRequest, Running, Shared,
     tracked::{Engine, ExactRun, Tracked},
 };
 use crate::{
@@ -362,7 +362,7 @@ impl QueuedRequest {
                     waited_ms = waited.as_millis() as u64,
                     "dispatched"
                 );
-                self.place = Place::Running(permit);
+                self.place = Place::Running(Running::new(permit));
                 Ok(())
             }
             Err(rejection) => Err(Ending::Told(ProxyError::Rejected {

@@ -12,7 +12,7 @@ use http::{header, request, response};
 use tokio::time::Instant;
 
 use super::{
-    Ending, Place, QueuedRequest,
+    Ending, Place, QueuedRequest, Running,
     tracked::{Engine, Tracked},
 };
 use crate::{
@@ -93,7 +93,7 @@ impl QueuedRequest {
         if !answer.status.is_success() || !streams {
             return Some(Ending::Told(ProxyError::Continuation(answer.status)));
         }
-        self.exchange = Some(exchange);
+        self.place.set_exchange(Some(exchange));
         None
     }
 
@@ -143,7 +143,7 @@ impl QueuedRequest {
         tracked: &mut Tracked,
         head: &request::Parts,
     ) -> Result<(Exchange, response::Parts), Ending> {
-        self.exchange = None;
+        self.place.set_exchange(None);
         let proxy = Arc::clone(&self.shared);
         if self.settings.api == Api::Openai {
             let watch = self.watch();
@@ -176,7 +176,7 @@ impl QueuedRequest {
                 retry_after: rejection.retry_after,
             })
         })?;
-        self.place = Place::Running(permit);
+        self.place = Place::Running(Running::new(permit));
         self.preemptions.pauses.push(paused.elapsed());
         Box::pin(self.go_on(tracked, head)).await
     }

@@ -93,7 +93,7 @@ impl QueuedRequest {
         strip_hop_by_hop(&mut answer.headers);
         let format = StreamFormat::of(answer.headers.get(header::CONTENT_TYPE));
         let hint = exchange.size_hint();
-        self.exchange = Some(exchange);
+        self.place.set_exchange(Some(exchange));
         let streams = answer.status.is_success() && format != StreamFormat::Whole;
         let mut reading = match tracked {
             Some(mut tracked) if streams => {
@@ -200,8 +200,9 @@ impl QueuedRequest {
         heed_preemption: bool,
     ) -> Next {
         let idle = self.timeouts.upstream_idle;
+        let (permit, exchange) = self.place.running();
         let preempted = async {
-            match (heed_preemption, &self.place.permit()) {
+            match (heed_preemption, permit) {
                 (true, Some(permit)) => permit.progress().preempted().await,
                 _ => std::future::pending().await,
             }
@@ -224,7 +225,7 @@ impl QueuedRequest {
                 () = tokio::time::sleep_until(waiting.stall_at) => Next::Stalled,
             };
         }
-        let Some(exchange) = self.exchange.as_mut() else {
+        let Some(exchange) = exchange else {
             return Next::End;
         };
         // A known length ends with its last data frame; hyper polls no further.
@@ -290,7 +291,7 @@ impl QueuedRequest {
     /// its last word, or says it within a moment of the client's data) had its answer.
     async fn left(&mut self, reading: &mut Reading) -> Ending {
         let over = reading.ended()
-            || match self.exchange.as_mut() {
+            || match self.place.exchange() {
                 Some(exchange) if exchange.is_end_stream() => true,
                 Some(exchange) if self.ttft.is_some() => matches!(
                     tokio::time::timeout(END_GRACE, exchange.frame()).await,
