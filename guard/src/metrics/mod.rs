@@ -205,7 +205,7 @@ impl Metrics {
             ),
             invalid_requests_total: Family::counter(
                 "guard_invalid_requests_total",
-                "Requests refused before queueing and never forwarded: bad_path, framing, body_too_large, unknown_class, body_read, body_read_timeout.",
+                "Requests refused before queueing and never forwarded: bad_path, framing, method, body_too_large, unknown_class, body_read, body_read_timeout.",
             ),
             model_cold_loads_total: Family::counter(
                 "guard_model_cold_loads_total",
