@@ -171,6 +171,10 @@ impl Watch {
 }
 
 /// Where a request is on its way, holding only what is true there.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one per request, in place inside its owner; boxing would allocate at each dispatch"
+)]
 enum Place {
     /// Not admitted to a queue yet: its body is read, it is classified.
     Arrival,
