@@ -16,7 +16,7 @@ use std::{
     time::Duration,
 };
 
-use guard_net::{park::Inbound, workers};
+use guard_net::park::Inbound;
 use http::{Method, Request, Response};
 
 pub use error::{ErrorShape, ProxyError};
@@ -74,15 +74,10 @@ impl Settings {
 pub struct Proxy {
     /// What the queued requests share.
     queued: Arc<request::Shared>,
-    /// A pool for pass-through requests per serving thread: a pooled connection is served by
-    /// the thread that made it, and one thread's request on another's connection would cross
-    /// threads at every step.
-    passthrough: Box<[Client]>,
+    passthrough: passthrough::Passthrough,
     connections: Arc<Registry>,
     settings: RwLock<Arc<Settings>>,
     header_read_timeout: Duration,
-    /// Pass-through requests in flight now.
-    passing: Arc<std::sync::atomic::AtomicU32>,
     max_connections: usize,
     /// Client connections hyper may keep between requests (`server.ready_connections`).
     ready_connections: usize,
@@ -126,6 +121,7 @@ impl Proxy {
             .set_half_close_means_gone(config.server.half_close_means_gone);
         let settings = Settings::from(config);
         parts.tally.prepare(&settings.classifier);
+        let passthrough = passthrough::Passthrough::new(&config.upstream, &parts.metrics);
         let queued = request::Shared {
             upstream: Client::new(&config.upstream),
             connector: Connector::new(dial, config.upstream.max_concurrency as usize),
@@ -146,13 +142,10 @@ impl Proxy {
         };
         Ok(Self {
             queued: Arc::new(queued),
-            passthrough: (0..workers::per_cpu_count())
-                .map(|_| Client::new(&config.upstream))
-                .collect(),
+            passthrough,
             connections: parts.connections,
             settings: RwLock::new(Arc::new(settings)),
             header_read_timeout: config.header_read_timeout(),
-            passing: Arc::default(),
             max_connections: config.server.max_connections as usize,
             ready_connections: config.server.ready_connections as usize,
         })
@@ -190,13 +183,6 @@ impl Proxy {
                 .read()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         )
-    }
-
-    /// The pass-through pool of the serving thread this runs on (the shared one elsewhere).
-    fn passthrough_client(&self) -> &Client {
-        workers::current()
-            .and_then(|index| self.passthrough.get(index))
-            .unwrap_or(&self.queued.upstream)
     }
 
     fn half_close_means_gone(&self) -> bool {
@@ -239,7 +225,8 @@ impl Proxy {
         }
         // Boxed: hyper keeps room for this future in every connection, idle or not, and the
         // pass-through client's state is most of it.
-        Box::pin(passthrough::handle(self, &settings, request, shape)).await
+        let limit = settings.max_passthrough;
+        Box::pin(self.passthrough.handle(limit, request, shape)).await
     }
 
     /// Refused before anything else: 400, and the connection closes after it (a body, if
