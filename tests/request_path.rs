@@ -4,7 +4,9 @@
 
 use std::time::{Duration, Instant};
 
+use guard_testkit::trickle;
 use guard_tests::{
+    body::{self, STORY, With as _},
     http::{self, post, post_streamed},
     metric, rss_bytes, serial,
     servers::{GuardProcess, LlamaServer},
@@ -14,15 +16,13 @@ use tokio::task::JoinHandle;
 
 /// A generation of exactly `tokens` tokens (llama.cpp's /completion, end-of-text ignored).
 fn completion(tokens: u32) -> Value {
-    json!({ "prompt": "Write a story about a lighthouse.", "n_predict": tokens, "ignore_eos": true })
+    body::completion(STORY, tokens.into())
 }
 
 fn chat(max_tokens: u32, stream: bool) -> Value {
-    json!({
-        "messages": [{ "role": "user", "content": "Say hello." }],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    })
+    body::chat("Say hello.")
+        .with("max_tokens", max_tokens)
+        .with("stream", stream)
 }
 
 /// A /completion in the background: its response and when it ended.
@@ -225,8 +225,7 @@ async fn streams_are_relayed_chunk_by_chunk() {
     let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
     // All 48 tokens (llama-server's ignore_eos): a reply the model ends after a few tokens
     // would leave too few frames to tell streaming from buffering.
-    let mut body = chat(48, true);
-    body["ignore_eos"] = json!(true);
+    let body = chat(48, true).with("ignore_eos", true);
     let streamed = post_streamed(guard.listen, "/v1/chat/completions", &[], &body).await;
     assert_eq!(streamed.status, 200);
     assert_eq!(
@@ -238,11 +237,7 @@ async fn streams_are_relayed_chunk_by_chunk() {
         "{} frames: not relayed as they came",
         streamed.frames.len()
     );
-    let text: String = streamed
-        .frames
-        .iter()
-        .map(|(_, b)| String::from_utf8_lossy(b).into_owned())
-        .collect();
+    let text = streamed.text();
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     let (first, last) = (
         streamed.frames[0].0,
@@ -459,7 +454,7 @@ async fn sighup_reloads_limits_and_a_bad_file_keeps_the_old_config() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn slow_headers_are_cut_off() {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::io::AsyncReadExt as _;
     let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(
@@ -470,18 +465,12 @@ async fn slow_headers_are_cut_off() {
     let stream = tokio::net::TcpStream::connect(guard.listen)
         .await
         .expect("connect");
-    let (mut reader, mut writer) = stream.into_split();
+    let (mut reader, writer) = stream.into_split();
     let started = Instant::now();
     // A client that sends its request head one byte at a time, slowly (the behaviour under
     // test, not a wait for synchronisation).
-    let trickle = tokio::spawn(async move {
-        for byte in b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n" {
-            if writer.write_all(&[*byte]).await.is_err() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    });
+    let head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n".to_vec();
+    let trickle = trickle(writer, head, Duration::from_millis(200));
     let mut buffer = Vec::new();
     let _ = reader.read_to_end(&mut buffer).await;
     let elapsed = started.elapsed();
@@ -512,8 +501,7 @@ async fn two_thousand_waiting_clients_keep_memory_bounded() {
         "[class.interactive]\nmax_queue = 8\n[class.batch]\npriority = 10\nmax_queue = 5000\n",
     );
     let idle = rss_bytes(guard.pid());
-    let chat =
-        json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }] });
+    let chat = body::ollama_chat("hi");
     let clients: Vec<_> = (0..CLIENTS)
         .map(|_| {
             let (addr, chat) = (guard.listen, chat.clone());
@@ -600,28 +588,24 @@ async fn spelling_upstream() -> std::net::SocketAddr {
 
 /// The response head guard sends for `request`, as bytes on the wire.
 async fn raw_head(addr: std::net::SocketAddr, request: &str) -> String {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    stream.write_all(request.as_bytes()).await.expect("send");
-    let mut answer = Vec::new();
-    stream.read_to_end(&mut answer).await.expect("read");
-    let text = String::from_utf8_lossy(&answer).into_owned();
-    text.split("\r\n\r\n").next().unwrap_or_default().to_owned()
+    let answer = http::raw(addr, request.as_bytes()).await;
+    answer
+        .split("\r\n\r\n")
+        .next()
+        .unwrap_or_default()
+        .to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn header_names_reach_the_client_as_the_upstream_spelled_them() {
     let upstream = spelling_upstream().await;
     let guard = GuardProcess::start(upstream, "openai", "");
-    let body = r#"{"messages":[{"role":"user","content":"hi"}],"stream":true}"#;
-    let queued = raw_head(
-        guard.listen,
-        &format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        ),
-    )
-    .await;
+    let request = http::request_bytes(
+        "/v1/chat/completions",
+        &[("Connection", "close")],
+        &body::chat("hi").with("stream", true),
+    );
+    let queued = raw_head(guard.listen, &request).await;
     assert!(queued.starts_with("HTTP/1.1 200"), "{queued}");
     assert!(
         queued.contains("\r\nX-custom-SPELLING: Kept"),
