@@ -43,13 +43,19 @@ fn spawn_completion(guard: &GuardProcess, class: &str, tokens: u32) -> Completio
     })
 }
 
-/// Fills the batch class (max_queue 2): one request of `tokens` running, two short ones
-/// waiting.
-async fn fill_batch(guard: &GuardProcess, tokens: u32) -> (Completion, Vec<Completion>) {
+/// A batch /completion of `tokens` in the background, once guard runs it.
+async fn running_completion(guard: &GuardProcess, tokens: u32) -> Completion {
     let running = spawn_completion(guard, "batch", tokens);
     guard
         .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
         .await;
+    running
+}
+
+/// Fills the batch class (max_queue 2): one request of `tokens` running, two short ones
+/// waiting.
+async fn fill_batch(guard: &GuardProcess, tokens: u32) -> (Completion, Vec<Completion>) {
+    let running = running_completion(guard, tokens).await;
     let queued = vec![
         spawn_completion(guard, "batch", 4),
         spawn_completion(guard, "batch", 4),
@@ -68,10 +74,7 @@ async fn interactive_is_served_before_earlier_batch() {
     let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
-    let running = spawn_completion(&guard, "batch", 200);
-    guard
-        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-        .await;
+    let running = running_completion(&guard, 200).await;
     let batch = spawn_completion(&guard, "batch", 8);
     guard
         .wait_for_metric("guard_queue_depth{class=\"batch\"}", 1.0)
@@ -106,10 +109,7 @@ async fn a_deadline_that_cannot_be_met_is_refused_at_once() {
                   [class.interactive]\npriority = 0\nmax_queue = 4\ndeadline_ms = 1500\n\
                   [class.batch]\npriority = 10\nmax_queue = 4\n";
     let guard = GuardProcess::start(llama.addr, "openai", config);
-    let running = spawn_completion(&guard, "batch", 300);
-    guard
-        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-        .await;
+    let running = running_completion(&guard, 300).await;
     let prompt_tokens = llama.metric("prompt_tokens_total").await;
 
     let response = post(guard.listen, "/v1/chat/completions", &[], &chat(8, false)).await;
@@ -150,10 +150,7 @@ async fn a_waiting_request_past_its_deadline_is_taken_out_with_503() {
                   [class.interactive]\npriority = 0\nmax_queue = 4\ndeadline_ms = 800\n\
                   [class.batch]\npriority = 10\nmax_queue = 4\n";
     let guard = GuardProcess::start(llama.addr, "openai", config);
-    let running = spawn_completion(&guard, "batch", 600);
-    guard
-        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-        .await;
+    let running = running_completion(&guard, 600).await;
     let response = post(guard.listen, "/v1/chat/completions", &[], &chat(8, false)).await;
     assert_eq!(response.status, 503, "{}", response.text());
     assert_eq!(response.json()["error"]["code"], "deadline_expired");
