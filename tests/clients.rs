@@ -4,6 +4,7 @@
 use std::{net::SocketAddr, process::Command};
 
 use guard_tests::{
+    body::{MODEL, ollama_chat},
     http::{post, post_streamed},
     serial,
     servers::{GuardProcess, LlamaServer, OllamaEmulator},
@@ -32,8 +33,7 @@ async fn ollama_paths_stream_ndjson_and_errors_keep_ollama_shape() {
     let _serial = serial().await;
     let ollama = OllamaEmulator::start(&["--tokens", "30", "--token-delay-ms", "30"]);
     let guard = GuardProcess::start(ollama.addr, "ollama", CLASSES);
-    let chat =
-        json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }] });
+    let chat = ollama_chat("hi");
 
     let streamed = post_streamed(guard.listen, "/api/chat", &[], &chat).await;
     assert_eq!(streamed.status, 200);
@@ -42,11 +42,7 @@ async fn ollama_paths_stream_ndjson_and_errors_keep_ollama_shape() {
         "NDJSON relayed line by line: {} frames",
         streamed.frames.len()
     );
-    let text: String = streamed
-        .frames
-        .iter()
-        .map(|(_, b)| String::from_utf8_lossy(b).into_owned())
-        .collect();
+    let text = streamed.text();
     let last: Value = serde_json::from_str(text.lines().last().expect("lines")).expect("json line");
     assert_eq!(last["done"], true);
 
@@ -126,11 +122,7 @@ async fn the_real_ollama_client_works_through_guard() {
             .is_some_and(|n| n > 2)
     );
     assert_eq!(out["embed_dims"], 16);
-    assert_eq!(
-        out["ps_models"],
-        json!(["smollm2:135m"]),
-        "/api/ps passes through"
-    );
+    assert_eq!(out["ps_models"], json!([MODEL]), "/api/ps passes through");
     assert_eq!(out["unknown_class"]["status"], 400);
     assert!(
         out["unknown_class"]["error"]

@@ -8,33 +8,36 @@ use std::{
     time::{Duration, Instant},
 };
 
+use guard_testkit::{Mode, Polling, Script, Upstream, until_with};
 use guard_tests::{
-    counting::{Counting, Play},
     free_addr,
-    http::{get, post},
+    http::{get, raw_request},
     peers::Peer,
+    scripted::{PATH, post_script},
     servers::GuardProcess,
 };
 use tokio::net::TcpStream;
 
 /// How long HAProxy may take to act on what an agent said (checks every 200 ms).
 const SEEN_BOUND: Duration = Duration::from_secs(10);
+/// Waiting for what HAProxy or an agent should show.
+const SEEN: Polling = Polling::within(SEEN_BOUND, Duration::from_millis(20));
 
 /// One box (a node): an upstream with one slot, guard in front with its agent on.
 struct Node {
-    upstream: Counting,
+    upstream: Upstream,
     guard: GuardProcess,
     agent: SocketAddr,
 }
 
 impl Node {
     async fn start(extra: &str) -> Self {
-        let upstream = Counting::start().await;
+        let upstream = Upstream::start().await;
         let agent = free_addr();
         let config = format!(
             "[upstream]\nmax_concurrency = 1\n[cluster]\nagent_listen = \"{agent}\"\n{extra}"
         );
-        let guard = GuardProcess::start(upstream.addr, "openai", &config);
+        let guard = GuardProcess::start(upstream.addr(), "openai", &config);
         Self {
             upstream,
             guard,
@@ -58,23 +61,14 @@ impl Node {
 
     /// Requests its upstream has seen.
     fn served(&self) -> usize {
-        self.upstream.exchanges().len()
+        self.upstream.started()
     }
 
     /// A request that holds its place (the upstream never answers) until the returned
     /// connection is dropped (its client leaves).
     async fn hold(&self) -> TcpStream {
-        use tokio::io::AsyncWriteExt as _;
-        let body = Play::new("hang").json().to_string();
-        let request = format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nhost: guard\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-            body.len()
-        );
-        let mut stream = TcpStream::connect(self.guard.listen)
-            .await
-            .expect("connect");
-        stream.write_all(request.as_bytes()).await.expect("send");
-        stream
+        let hang = Script::new(Mode::Hang).json();
+        raw_request(self.guard.listen, PATH, &[], &hang).await
     }
 }
 
@@ -105,19 +99,9 @@ async fn haproxy_sees(stats: SocketAddr, server: &str) -> (String, String) {
 
 /// One request that completes at once, sent through the balancer; its status.
 async fn through(front: SocketAddr) -> u16 {
-    let play = Play::new("complete").json();
-    post(front, "/v1/chat/completions", &[], &play).await.status
-}
-
-async fn wait_until(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let started = Instant::now();
-    while !done().await {
-        assert!(
-            started.elapsed() < SEEN_BOUND,
-            "not within {SEEN_BOUND:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    post_script(front, &Script::new(Mode::Complete))
+        .await
+        .status
 }
 
 /// Fills box A's queue (one running, one waiting), then sends 50 requests through HAProxy;
@@ -132,7 +116,7 @@ async fn fifty_with_a_full(agent_check: bool) -> (Vec<u16>, usize, usize, Fleet)
         .await;
     if agent_check {
         assert_eq!(fleet.a.agent_line().await, "drain\n");
-        wait_until("HAProxy drains box A", async || {
+        until_with(SEEN, "HAProxy drains box A", async || {
             haproxy_sees(fleet.stats, "box0")
                 .await
                 .0
@@ -175,7 +159,7 @@ impl Fleet {
             stats,
         );
         for server in ["box0", "box1"] {
-            wait_until("HAProxy sees both boxes up", async || {
+            until_with(SEEN, "HAProxy sees both boxes up", async || {
                 haproxy_sees(stats, server).await.0 == "UP"
             })
             .await;
@@ -204,7 +188,7 @@ async fn haproxy_keeps_work_away_from_a_full_box_and_comes_back_when_it_clears()
     let mut fleet = fleet;
     fleet.holders.clear();
     let cleared = Instant::now();
-    wait_until("box A clears", async || {
+    until_with(SEEN, "box A clears", async || {
         fleet.a.agent_line().await.starts_with("up ready")
     })
     .await;
@@ -257,13 +241,13 @@ async fn a_box_whose_protected_class_is_at_risk_drains() {
         ],
         stats,
     );
-    wait_until("HAProxy sees box A up", async || {
+    until_with(SEEN, "HAProxy sees box A up", async || {
         haproxy_sees(stats, "box0").await.0 == "UP"
     })
     .await;
     let _running = fleet_a.hold().await;
     let _waiting = fleet_a.hold().await;
-    wait_until("box A's agent drains", async || {
+    until_with(SEEN, "box A's agent drains", async || {
         fleet_a.agent_line().await == "drain\n"
     })
     .await;
@@ -275,7 +259,7 @@ async fn a_box_whose_protected_class_is_at_risk_drains() {
         status.contains("\"wait\""),
         "the risk is the wait: {status}"
     );
-    wait_until("HAProxy drains box A", async || {
+    until_with(SEEN, "HAProxy drains box A", async || {
         haproxy_sees(stats, "box0").await.0.starts_with("DRAIN")
     })
     .await;

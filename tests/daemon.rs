@@ -6,12 +6,12 @@
 
 use std::process::Command;
 
+use guard_testkit::{Mode, Script, Upstream};
 use guard_tests::{
-    TempDir,
-    counting::{Counting, Play, post_play},
-    free_addr, guard_bin,
-    http::get,
+    TempDir, free_addr, guard_bin,
+    http::{Answers, get},
     metric, require_root,
+    scripted::{hang_then_leave, post_script},
     servers::GuardProcess,
 };
 
@@ -107,21 +107,21 @@ fn free_v6_addr() -> std::net::SocketAddr {
 #[tokio::test(flavor = "multi_thread")]
 async fn each_listen_address_serves_and_its_departed_clients_are_reaped() {
     require_root();
-    let upstream = Counting::start().await;
+    let upstream = Upstream::start().await;
     let (v4, v6) = (free_addr(), free_v6_addr());
     let extra = format!("[server]\nlisten = [\"{v4}\", \"{v6}\"]\n");
-    let guard = GuardProcess::start(upstream.addr, "openai", &extra);
+    let guard = GuardProcess::start(upstream.addr(), "openai", &extra);
     assert_eq!(guard.listen, v4);
     for addr in [v4, v6] {
-        let answer = post_play(addr, &Play::new("complete")).await;
+        let answer = post_script(addr, &Script::new(Mode::Complete)).await;
         assert_eq!(answer.status, 200, "through {addr}: {}", answer.text());
     }
-    assert_eq!(upstream.exchanges().len(), 2);
+    assert_eq!(upstream.started(), 2);
     let text = guard.metrics_text().await;
     assert_eq!(metric(&text, "guard_ebpf_attached"), Some(1.0), "{text}");
     // With the kernel program attached nothing in user space watches a client: a reap on the
     // second listener's port says the program watches that port too.
-    upstream.hang_then_leave(v6).await;
+    hang_then_leave(&upstream, v6).await;
     guard
         .wait_for_metric(
             "guard_reaped_total{class=\"interactive\",stage=\"running\"}",
@@ -156,50 +156,6 @@ fn overlapping_listen_addresses_are_refused_naming_the_key() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(stderr.contains(&format!(": {key}: ")), "{text}: {stderr}");
         assert!(stderr.contains("overlaps"), "{stderr}");
-    }
-}
-
-/// A kept-alive connection's answers, one at a time (answers to pipelined requests may
-/// arrive in one read).
-struct Answers {
-    stream: tokio::net::TcpStream,
-    seen: Vec<u8>,
-}
-
-impl Answers {
-    async fn connect(addr: std::net::SocketAddr) -> Self {
-        let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        Self {
-            stream,
-            seen: Vec::new(),
-        }
-    }
-
-    /// The next whole answer (a head and its Content-Length body).
-    async fn next(&mut self) -> String {
-        use tokio::io::AsyncReadExt as _;
-        let mut buffer = [0u8; 4096];
-        loop {
-            if let Some(end) = self.whole() {
-                let answer: Vec<u8> = self.seen.drain(..end).collect();
-                return String::from_utf8_lossy(&answer).into_owned();
-            }
-            let n = self.stream.read(&mut buffer).await.expect("read");
-            let text = String::from_utf8_lossy(&self.seen);
-            assert!(n > 0, "guard closed a kept-alive connection: {text}");
-            self.seen.extend_from_slice(&buffer[..n]);
-        }
-    }
-
-    /// Where the first whole answer read so far ends.
-    fn whole(&self) -> Option<usize> {
-        let head_end = self.seen.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
-        let head = String::from_utf8_lossy(&self.seen[..head_end]).to_ascii_lowercase();
-        let length: usize = head
-            .lines()
-            .find_map(|l| l.strip_prefix("content-length:")?.trim().parse().ok())
-            .unwrap_or(0);
-        (self.seen.len() >= head_end + length).then_some(head_end + length)
     }
 }
 

@@ -12,11 +12,12 @@ use std::{
 };
 
 use guard::reap::{ConnEvent, EbpfTracker, Layout, TcpState};
+use guard_testkit::Upstream;
 use guard_tests::{
     ChildGuard, TestCgroup, cgroup2_root, collect_until, collect_until_within,
-    counting::Counting,
     http::{Leave, leave},
     require_root,
+    scripted::hang_then_leave,
     servers::GuardProcess,
 };
 
@@ -294,11 +295,11 @@ async fn ten_thousand_connections_lose_no_event() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_departed_client_is_reaped_end_to_end() {
     require_root();
-    let upstream = Counting::start().await;
-    let guard = GuardProcess::start(upstream.addr, "openai", "");
+    let upstream = Upstream::start().await;
+    let guard = GuardProcess::start(upstream.addr(), "openai", "");
     let attached = guard.metric("guard_ebpf_attached").await;
     assert_eq!(attached, 1.0, "{}", guard.metrics_text().await);
-    upstream.hang_then_leave(guard.listen).await;
+    hang_then_leave(&upstream, guard.listen).await;
     guard
         .wait_for_metric(
             "guard_reaped_total{class=\"interactive\",stage=\"running\"}",

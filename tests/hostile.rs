@@ -3,47 +3,25 @@
 //! pass-through are bounded, client-chosen labels and hop-by-hop headers go nowhere, and an
 //! empty file on SIGHUP keeps the running config.
 
-use std::{
-    path::Path,
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::{path::Path, process::Command, time::Duration};
 
+use guard_testkit::{Mode, Script, Upstream, until};
 use guard_tests::{
-    counting::{Counting, Play},
-    http::{self, post},
-    metric, serial,
+    http::{self, post, raw},
+    metric,
+    scripted::post_script,
+    serial,
     servers::{GuardProcess, OllamaEmulator},
 };
 use serde_json::json;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-/// A bound for states the test waits for; reaching it fails.
-const STATE_BOUND: Duration = Duration::from_secs(30);
-
-async fn until(what: &str, mut condition: impl AsyncFnMut() -> bool) {
-    let started = Instant::now();
-    while !condition().await {
-        assert!(started.elapsed() < STATE_BOUND, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-/// Sends raw bytes on a fresh connection and reads until the server closes or `bound` ends.
-async fn raw(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    stream.write_all(bytes).await.expect("send");
-    let mut seen = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut seen)).await;
-    String::from_utf8_lossy(&seen).into_owned()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn every_spelling_of_a_generation_path_is_queued() {
     let _serial = serial().await;
-    let upstream = Counting::start().await;
+    let upstream = Upstream::start().await;
     let config = "[upstream]\nmax_concurrency = 1\n[class.interactive]\nmax_queue = 32\n";
-    let guard = GuardProcess::start(upstream.addr, "openai", config);
+    let guard = GuardProcess::start(upstream.addr(), "openai", config);
     let addr = guard.listen;
     // A busy slot: one stream holds it while every spelling arrives.
     let busy = tokio::spawn(async move {
@@ -51,7 +29,9 @@ async fn every_spelling_of_a_generation_path_is_queued() {
             addr,
             "/v1/chat/completions",
             &[],
-            &Play::new("stream").frames(40, 10).json(),
+            &Script::new(Mode::Stream)
+                .frames(40, Duration::from_millis(10))
+                .json(),
         )
         .await
     });
@@ -78,8 +58,8 @@ async fn every_spelling_of_a_generation_path_is_queued() {
     ];
     let mut sent = tokio::task::JoinSet::new();
     for (id, path) in spellings.into_iter().enumerate() {
-        let play = Play::new("complete").id(id as u64 + 1).json();
-        sent.spawn(async move { post(addr, path, &[], &play).await.status });
+        let script = Script::new(Mode::Complete).id(id as u64 + 1).json();
+        sent.spawn(async move { post(addr, path, &[], &script).await.status });
     }
     until("every spelling waits in the queue", async || {
         guard
@@ -88,7 +68,7 @@ async fn every_spelling_of_a_generation_path_is_queued() {
             == spellings.len() as f64
     })
     .await;
-    assert_eq!(upstream.exchanges().len(), 1, "none passed the busy slot");
+    assert_eq!(upstream.started(), 1, "none passed the busy slot");
     assert_eq!(busy.await.expect("busy").status, 200);
     while let Some(status) = sent.join_next().await {
         assert_eq!(status.expect("client"), 200);
@@ -218,8 +198,8 @@ async fn made_up_model_names_never_become_labels() {
 #[tokio::test(flavor = "multi_thread")]
 async fn headers_named_in_connection_never_reach_the_upstream() {
     let _serial = serial().await;
-    let upstream = Counting::start().await;
-    let guard = GuardProcess::start(upstream.addr, "openai", "");
+    let upstream = Upstream::start().await;
+    let guard = GuardProcess::start(upstream.addr(), "openai", "");
     let hop = [
         ("connection", "x-secret, keep-alive"),
         ("x-secret", "do not forward"),
@@ -228,7 +208,7 @@ async fn headers_named_in_connection_never_reach_the_upstream() {
         guard.listen,
         "/v1/chat/completions",
         &hop,
-        &Play::new("complete").json(),
+        &Script::new(Mode::Complete).json(),
     )
     .await;
     assert_eq!(queued.status, 200);
@@ -254,11 +234,7 @@ async fn an_empty_file_on_sighup_keeps_the_rules() {
                   [[classify.rule]]\nclass = \"batch\"\npath_prefix = \"/api/generate\"\n";
     let mut guard = GuardProcess::start(ollama.addr, "ollama", config);
     std::fs::write(&guard.config_path, "").expect("truncate");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(guard.pid() as i32),
-        nix::sys::signal::Signal::SIGHUP,
-    )
-    .expect("SIGHUP");
+    guard.hangup();
     let refused = guard.wait_for_log("config refused");
     assert!(
         refused.last().is_some_and(|l| l.contains("sets no key")),
@@ -287,14 +263,21 @@ async fn an_empty_file_on_sighup_keeps_the_rules() {
 #[tokio::test(flavor = "multi_thread")]
 async fn pass_through_is_bounded() {
     let _serial = serial().await;
-    let upstream = Counting::start().await;
-    let guard = GuardProcess::start(upstream.addr, "openai", "[upstream]\nmax_passthrough = 8\n");
+    let upstream = Upstream::start().await;
+    let guard = GuardProcess::start(
+        upstream.addr(),
+        "openai",
+        "[upstream]\nmax_passthrough = 8\n",
+    );
     // An endpoint guard does not queue, streaming for a while: 40 at once against 8.
     let mut clients = tokio::task::JoinSet::new();
     for id in 0..40 {
         let addr = guard.listen;
-        let play = Play::new("stream").frames(20, 10).id(id).json();
-        clients.spawn(async move { post(addr, "/api/pull", &[], &play).await.status });
+        let script = Script::new(Mode::Stream)
+            .frames(20, Duration::from_millis(10))
+            .id(id)
+            .json();
+        clients.spawn(async move { post(addr, "/api/pull", &[], &script).await.status });
     }
     let mut statuses = Vec::new();
     while let Some(status) = clients.join_next().await {
@@ -400,9 +383,9 @@ async fn stalled_large_bodies_hold_at_most_the_cap_and_give_it_back() {
 async fn a_flood_of_connections_is_refused_past_the_cap() {
     let _serial = serial().await;
     allow_files(16_384);
-    let upstream = Counting::start().await;
+    let upstream = Upstream::start().await;
     let guard = GuardProcess::start(
-        upstream.addr,
+        upstream.addr(),
         "openai",
         "[server]\nmax_connections = 1000\n",
     );
@@ -443,14 +426,10 @@ async fn a_flood_of_connections_is_refused_past_the_cap() {
     assert!(told >= 90, "{told} of the last 100 read a 503");
     drop(open);
     until("guard serves again", async || {
-        let response = post(
-            guard.listen,
-            "/v1/chat/completions",
-            &[],
-            &Play::new("complete").json(),
-        )
-        .await;
-        response.status == 200
+        post_script(guard.listen, &Script::new(Mode::Complete))
+            .await
+            .status
+            == 200
     })
     .await;
 }
@@ -458,13 +437,13 @@ async fn a_flood_of_connections_is_refused_past_the_cap() {
 #[tokio::test(flavor = "multi_thread")]
 async fn out_of_descriptors_the_proxy_serves_and_the_log_stays_small() {
     let _serial = serial().await;
-    let upstream = Counting::start().await;
+    let upstream = Upstream::start().await;
     let launch = guard_tests::servers::Launch {
         nofile: Some(256),
         ..Default::default()
     };
     let guard = GuardProcess::launch(
-        upstream.addr,
+        upstream.addr(),
         "openai",
         "[ebpf]\nenabled = false\n",
         &launch,
@@ -478,13 +457,7 @@ async fn out_of_descriptors_the_proxy_serves_and_the_log_stays_small() {
         );
     }
     for _ in 0..5 {
-        let response = post(
-            guard.listen,
-            "/v1/chat/completions",
-            &[],
-            &Play::new("complete").json(),
-        )
-        .await;
+        let response = post_script(guard.listen, &Script::new(Mode::Complete)).await;
         assert_eq!(
             response.status, 200,
             "the proxy serves while the metrics port is flooded"
@@ -517,12 +490,6 @@ async fn out_of_descriptors_the_proxy_serves_and_the_log_stays_small() {
             .is_ok_and(|r| r.status == 200)
     })
     .await;
-    let response = post(
-        guard.listen,
-        "/v1/chat/completions",
-        &[],
-        &Play::new("complete").json(),
-    )
-    .await;
+    let response = post_script(guard.listen, &Script::new(Mode::Complete)).await;
     assert_eq!(response.status, 200, "the proxy serves once they go");
 }

@@ -12,7 +12,9 @@ use std::{
 
 use bytes::Bytes;
 use guard_tests::{
-    TempDir, cgroup2_root, guard_bin,
+    TempDir,
+    body::ollama_generate,
+    cgroup2_root, guard_bin,
     http::{post, send},
     metric, require_root, serial,
     servers::{GuardProcess, OllamaEmulator},
@@ -26,7 +28,7 @@ const CLASSES: &str = "[class.interactive]\npriority = 0\nmax_queue = 8\ndeadlin
 const PROMPT: &str = "the secret plan is 42";
 
 fn generate() -> serde_json::Value {
-    json!({ "model": "smollm2:135m", "prompt": PROMPT, "stream": false })
+    ollama_generate(PROMPT)
 }
 
 /// The class guard served a request in, as its answer says.

@@ -4,26 +4,16 @@
 
 use std::time::{Duration, Instant};
 
+use guard_testkit::{Mode, Script, Upstream, trickle, until};
 use guard_tests::{
-    counting::{Counting, Play, post_play, stalled_reader},
+    body::{STORY, With as _, chat, completion},
     http::{self, Leave, leave, post, post_streamed, raw_request},
-    metric, serial,
+    metric,
+    scripted::{post_script, stalled_reader},
+    serial,
     servers::{GuardProcess, Launch, LlamaServer},
 };
-use serde_json::json;
 use tokio::{io::AsyncWriteExt as _, task::JoinSet};
-
-/// A bound for states the test waits for; reaching it fails.
-const STATE_BOUND: Duration = Duration::from_secs(30);
-
-/// Waits for `condition` (a state of the system under test, polled), at most STATE_BOUND.
-async fn until(what: &str, mut condition: impl AsyncFnMut() -> bool) {
-    let started = Instant::now();
-    while !condition().await {
-        assert!(started.elapsed() < STATE_BOUND, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
 
 fn class(name: &str) -> [(&str, &str); 1] {
     [("x-guard-class", name)]
@@ -51,18 +41,19 @@ fn mix_client(clients: &mut JoinSet<()>, addr: std::net::SocketAddr, rng: &mut S
     };
     let gap = 10 + rng.below(60);
     let linger = Duration::from_millis(rng.below(120));
-    let play = match rng.below(9) {
-        0 | 1 => Play::new("complete").frames(0, gap),
-        2 | 3 => Play::new("stream").frames(2 + rng.below(5), 10),
-        4 => Play::new("fail500"),
-        5 => Play::new("reset").frames(2, 10),
-        6 => Play::new("hang").frames(2, 10),
+    let ms = Duration::from_millis;
+    let script = match rng.below(9) {
+        0 | 1 => Script::new(Mode::Complete).head_after(ms(gap)),
+        2 | 3 => Script::new(Mode::Stream).frames(2 + rng.below(5), ms(10)),
+        4 => Script::new(Mode::Fail500),
+        5 => Script::new(Mode::Reset).frames(2, ms(10)),
+        6 => Script::new(Mode::Hang).frames(2, ms(10)),
         7 => {
             // Leaves wherever it is: queued, running or done.
-            let play = Play::new("stream").frames(30, 15).id(id);
+            let script = Script::new(Mode::Stream).frames(30, ms(15)).id(id);
             clients.spawn(async move {
                 let stream =
-                    raw_request(addr, "/v1/chat/completions", &class(name), &play.json()).await;
+                    raw_request(addr, "/v1/chat/completions", &class(name), &script.json()).await;
                 tokio::time::sleep(linger).await;
                 leave(stream, Leave::Fin);
             });
@@ -70,23 +61,28 @@ fn mix_client(clients: &mut JoinSet<()>, addr: std::net::SocketAddr, rng: &mut S
         }
         _ => {
             // Reads two frames of a long stream, then leaves mid-stream.
-            let play = Play::new("stream").frames(40, 15).id(id);
+            let script = Script::new(Mode::Stream).frames(40, ms(15)).id(id);
             clients.spawn(async move {
-                let _ =
-                    http::post_frames(addr, "/v1/chat/completions", &class(name), &play.json(), 2)
-                        .await;
+                let _ = http::post_frames(
+                    addr,
+                    "/v1/chat/completions",
+                    &class(name),
+                    &script.json(),
+                    2,
+                )
+                .await;
             });
             return;
         }
     };
-    let play = play.id(id);
+    let script = script.id(id);
     clients.spawn(async move {
         let _ = http::send(
             addr,
             "POST",
             "/v1/chat/completions",
             &class(name),
-            play.json().to_string().into(),
+            script.json().to_string().into(),
         )
         .await;
     });
@@ -136,12 +132,12 @@ const MIX_CONFIG: &str = "[upstream]\nmax_concurrency = 3\n[estimate]\ninitial_s
 async fn the_concurrency_bound_is_exact_under_a_random_mix_and_a_lowered_limit() {
     const EACH_PHASE: u64 = 90;
     let _serial = serial().await;
-    let upstream = Counting::start().await;
+    let upstream = Upstream::start().await;
     let launch = Launch {
         cpu: Some(0),
         ..Launch::default()
     };
-    let mut guard = GuardProcess::launch(upstream.addr, "openai", MIX_CONFIG, &launch);
+    let mut guard = GuardProcess::launch(upstream.addr(), "openai", MIX_CONFIG, &launch);
     let mut rng = Seeded(0x1d_5eed);
     let mut clients = JoinSet::new();
     for id in 0..EACH_PHASE {
@@ -152,17 +148,7 @@ async fn the_concurrency_bound_is_exact_under_a_random_mix_and_a_lowered_limit()
     until("three exchanges at once", async || upstream.peak() >= 3).await;
     assert_eq!(upstream.peak(), 3, "the limit is reached, never passed");
 
-    let config = std::fs::read_to_string(&guard.config_path).expect("config");
-    std::fs::write(
-        &guard.config_path,
-        config.replace("max_concurrency = 3", "max_concurrency = 2"),
-    )
-    .expect("write");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(guard.pid() as i32),
-        nix::sys::signal::Signal::SIGHUP,
-    )
-    .expect("SIGHUP");
+    guard.edit_config_and_reload("max_concurrency = 3", "max_concurrency = 2");
     guard.wait_for_log("config reloaded");
     // Running requests finish; from then on the lower limit holds. guard's own count too: a
     // request dispatched just before the reload may not have reached the upstream yet.
@@ -213,12 +199,14 @@ async fn the_concurrency_bound_is_exact_under_a_random_mix_and_a_lowered_limit()
 const LLAMA_CONFIG: &str = "[class.interactive]\npriority = 0\nmax_queue = 4\ndeadline_ms = 1500\n\
                             [class.batch]\npriority = 10\nmax_queue = 8\n";
 
-fn completion(tokens: u64, stream: bool) -> serde_json::Value {
-    json!({ "prompt": "Write a story about a lighthouse.", "n_predict": tokens, "ignore_eos": true, "stream": stream })
+/// A story of exactly `tokens` tokens, whole or streamed.
+fn story(tokens: u64, stream: bool) -> serde_json::Value {
+    completion(STORY, tokens).with("stream", stream)
 }
 
-fn chat(tokens: u64) -> serde_json::Value {
-    json!({ "messages": [{ "role": "user", "content": "Say hello." }], "max_tokens": tokens })
+/// A chat that asks for `tokens` tokens at most.
+fn hello(tokens: u64) -> serde_json::Value {
+    chat("Say hello.").with("max_tokens", tokens)
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -232,7 +220,7 @@ async fn on_llama_server_an_impossible_deadline_is_refused_on_arrival_and_a_poss
             guard.listen,
             "/completion",
             &class("batch"),
-            &completion(tokens, false),
+            &story(tokens, false),
         )
         .await;
         assert_eq!(response.status, 200);
@@ -240,13 +228,13 @@ async fn on_llama_server_an_impossible_deadline_is_refused_on_arrival_and_a_poss
     // A backlog: a 400-token stream (seconds on this machine) holds the only slot.
     let addr = guard.listen;
     let long = tokio::spawn(async move {
-        post_streamed(addr, "/completion", &class("batch"), &completion(400, true)).await
+        post_streamed(addr, "/completion", &class("batch"), &story(400, true)).await
     });
     guard
         .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
         .await;
     let sent = Instant::now();
-    let refused = post(guard.listen, "/v1/chat/completions", &[], &chat(8)).await;
+    let refused = post(guard.listen, "/v1/chat/completions", &[], &hello(8)).await;
     let answered = sent.elapsed();
     assert_eq!(refused.status, 503, "{}", refused.text());
     assert_eq!(refused.json()["error"]["code"], "deadline_predicted");
@@ -258,18 +246,20 @@ async fn on_llama_server_an_impossible_deadline_is_refused_on_arrival_and_a_poss
     assert_eq!(long.await.expect("long").status, 200);
 
     // A short backlog: the deadline can be met, so the request is admitted and meets it.
-    let short = tokio::spawn(async move {
-        post(addr, "/completion", &class("batch"), &completion(24, false)).await
-    });
+    let short =
+        tokio::spawn(
+            async move { post(addr, "/completion", &class("batch"), &story(24, false)).await },
+        );
     guard
         .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
         .await;
     let sent = Instant::now();
-    let streamed = post_streamed(guard.listen, "/v1/chat/completions", &[], &{
-        let mut body = chat(8);
-        body["stream"] = json!(true);
-        body
-    })
+    let streamed = post_streamed(
+        guard.listen,
+        "/v1/chat/completions",
+        &[],
+        &hello(8).with("stream", true),
+    )
     .await;
     assert_eq!(streamed.status, 200);
     let ttft = streamed
@@ -305,29 +295,25 @@ const STALL_CONFIG: &str = "[class.interactive]\npriority = 0\nmax_queue = 4\n\
     [class.batch]\npriority = 10\nmax_queue = 4\n";
 
 /// The next exchange's start, after the first.
-fn second_start(upstream: &Counting) -> Instant {
+fn second_start(upstream: &Upstream) -> tokio::time::Instant {
     upstream.exchanges()[1].started
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_upstream_that_stops_mid_stream_frees_the_slot_within_its_timeout() {
     let _serial = serial().await;
-    let upstream = Counting::start().await;
-    let guard = GuardProcess::start(upstream.addr, "openai", STALL_CONFIG);
+    let upstream = Upstream::start().await;
+    let guard = GuardProcess::start(upstream.addr(), "openai", STALL_CONFIG);
     let addr = guard.listen;
     let stuck = tokio::spawn(async move {
-        let play = Play::new("hang").frames(3, 10);
-        post_streamed(addr, "/v1/chat/completions", &[], &play.json()).await
+        let script = Script::new(Mode::Hang).frames(3, Duration::from_millis(10));
+        post_streamed(addr, "/v1/chat/completions", &[], &script.json()).await
     });
     until("the stuck exchange runs", async || upstream.open() == 1).await;
-    let next = post_play(guard.listen, &Play::new("complete")).await;
+    let next = post_script(guard.listen, &Script::new(Mode::Complete)).await;
     assert_eq!(next.status, 200, "the next request is served");
     let stuck = stuck.await.expect("stuck");
-    let text: String = stuck
-        .frames
-        .iter()
-        .map(|(_, b)| String::from_utf8_lossy(b).into_owned())
-        .collect();
+    let text = stuck.text();
     assert!(
         text.contains("upstream_idle"),
         "the API's error event ends it: {text}"
@@ -344,12 +330,12 @@ async fn an_upstream_that_stops_mid_stream_frees_the_slot_within_its_timeout() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_that_stops_reading_frees_the_slot_within_its_timeout() {
     let _serial = serial().await;
-    let upstream = Counting::start().await;
-    let guard = GuardProcess::start(upstream.addr, "openai", STALL_CONFIG);
+    let upstream = Upstream::start().await;
+    let guard = GuardProcess::start(upstream.addr(), "openai", STALL_CONFIG);
     // A small receive buffer, and never a read: the upstream floods until guard stops.
     let _reader = stalled_reader(guard.listen).await;
     until("the flood runs", async || upstream.open() == 1).await;
-    let next = post_play(guard.listen, &Play::new("complete")).await;
+    let next = post_script(guard.listen, &Script::new(Mode::Complete)).await;
     assert_eq!(next.status, 200, "the next request is served");
     let exchanges = upstream.exchanges();
     let last_write = exchanges[0].last_write.expect("flooded");
@@ -374,8 +360,8 @@ async fn a_client_that_stops_reading_frees_the_slot_within_its_timeout() {
 async fn a_body_sent_one_byte_a_second_is_cut_off_within_its_timeout() {
     use tokio::io::AsyncReadExt as _;
     let _serial = serial().await;
-    let upstream = Counting::start().await;
-    let guard = GuardProcess::start(upstream.addr, "openai", STALL_CONFIG);
+    let upstream = Upstream::start().await;
+    let guard = GuardProcess::start(upstream.addr(), "openai", STALL_CONFIG);
     let stream = tokio::net::TcpStream::connect(guard.listen)
         .await
         .expect("connect");
@@ -388,14 +374,7 @@ async fn a_body_sent_one_byte_a_second_is_cut_off_within_its_timeout() {
         .expect("head");
     let sent = Instant::now();
     // The client under test: one byte a second (its behaviour, not a wait).
-    let trickle = tokio::spawn(async move {
-        for _ in 0..100 {
-            if writer.write_all(b" ").await.is_err() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-    });
+    let trickle = trickle(writer, vec![b' '; 100], Duration::from_secs(1));
     let mut answer = vec![0u8; 512];
     let read = reader.read(&mut answer).await.expect("an answer");
     let after = sent.elapsed();
@@ -406,10 +385,10 @@ async fn a_body_sent_one_byte_a_second_is_cut_off_within_its_timeout() {
         after >= Duration::from_millis(900) && after <= Duration::from_millis(1_100),
         "cut off after {after:?} (limit 1000 ms)"
     );
-    let next = post_play(guard.listen, &Play::new("complete")).await;
+    let next = post_script(guard.listen, &Script::new(Mode::Complete)).await;
     assert_eq!(next.status, 200, "the next request is served");
     assert_eq!(
-        upstream.exchanges().len(),
+        upstream.started(),
         1,
         "the trickled body never reached the upstream"
     );

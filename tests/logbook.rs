@@ -44,10 +44,12 @@ async fn a_baseline_against_llama_server_records_every_field() {
     .expect("write inputs");
     let logbook = dir.0.join("logbook.jsonl");
     let url = format!("http://{}", llama.addr);
-    let entry = bench(
-        &[
+    // A baseline of the set against llama-server, run `repeat` times for `tokens` tokens.
+    let baseline = |repeat: &str, tokens: &str| {
+        let input = input.to_str().expect("utf-8");
+        let args = [
             "--input",
-            input.to_str().expect("utf-8"),
+            input,
             "--url",
             &url,
             "--api",
@@ -57,12 +59,13 @@ async fn a_baseline_against_llama_server_records_every_field() {
             "--runtime",
             "llama.cpp",
             "--repeat",
-            "2",
+            repeat,
             "--max-tokens",
-            "16",
-        ],
-        &logbook,
-    );
+            tokens,
+        ];
+        bench(&args, &logbook)
+    };
+    let entry = baseline("2", "16");
     assert_eq!(
         entry.quality_failures, 2,
         "the planted failure, caught in both runs"
@@ -83,25 +86,7 @@ async fn a_baseline_against_llama_server_records_every_field() {
     assert_eq!(entry.input_set.inputs, 2);
     assert_eq!(entry.input_set.sha256.len(), 64);
     // The hash is of the file: the same set measured again carries the same hash.
-    let again = bench(
-        &[
-            "--input",
-            input.to_str().expect("utf-8"),
-            "--url",
-            &url,
-            "--api",
-            "openai",
-            "--model",
-            "smollm2",
-            "--runtime",
-            "llama.cpp",
-            "--repeat",
-            "1",
-            "--max-tokens",
-            "4",
-        ],
-        &logbook,
-    );
+    let again = baseline("1", "4");
     assert_eq!(again.input_set.sha256, entry.input_set.sha256);
     assert!(entry.ttft_ms.p50 > 0.0 && entry.completion_ms.p95 >= entry.ttft_ms.p95);
     assert!(entry.decode_tokens_per_second.p50 > 0.0);

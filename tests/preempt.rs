@@ -5,7 +5,9 @@
 
 use std::time::{Duration, Instant};
 
+use guard_testkit::{Polling, until_with};
 use guard_tests::{
+    body::{With as _, chat, completion, ollama_chat},
     http::{post, post_streamed},
     serial,
     servers::{GuardProcess, LlamaServer},
@@ -35,12 +37,15 @@ const PASSAGE: &str = "Passage: the harbour town kept its lighthouse lit through
                        and a travelling doctor passed through the town each year.\n\nTask: ";
 
 fn batch_body(prompt: &str, stream: bool) -> serde_json::Value {
-    json!({
-        "messages": [{ "role": "user", "content": format!("{PASSAGE}{prompt}") }],
-        "max_tokens": 160,
-        "temperature": 0,
-        "stream": stream,
-    })
+    chat(&format!("{PASSAGE}{prompt}"))
+        .with("max_tokens", 160)
+        .with("temperature", 0)
+        .with("stream", stream)
+}
+
+/// A short streamed interactive chat.
+fn say_hi() -> serde_json::Value {
+    chat("Say hi.").with("max_tokens", 4).with("stream", true)
 }
 
 /// The text of an answer: one chat completion, or the deltas of a stream.
@@ -67,13 +72,8 @@ fn text_of(stream: bool, body: &[u8]) -> String {
 
 /// Time to the first byte of a short streamed interactive chat.
 async fn interactive_ttft(addr: std::net::SocketAddr) -> Duration {
-    let body = json!({
-        "messages": [{ "role": "user", "content": "Say hi." }],
-        "max_tokens": 4,
-        "stream": true,
-    });
     let sent = Instant::now();
-    let answer = post_streamed(addr, "/v1/chat/completions", &[], &body).await;
+    let answer = post_streamed(addr, "/v1/chat/completions", &[], &say_hi()).await;
     assert_eq!(answer.status, 200);
     let first = answer.frames.first().expect("a frame").0;
     first.duration_since(sent)
@@ -115,7 +115,7 @@ async fn interactive_preempts_batch_which_goes_on_where_it_stopped() {
         let body = batch_body(prompt, stream);
         jobs.push(tokio::spawn(async move {
             let answer = post_streamed(addr, "/v1/chat/completions", &batch, &body).await;
-            let bytes: Vec<u8> = answer.frames.iter().flat_map(|(_, b)| b.to_vec()).collect();
+            let bytes = answer.bytes();
             (answer.status, stream, bytes)
         }));
     }
@@ -164,46 +164,39 @@ async fn tokens_are_the_servers_own_count_and_a_cut_job_is_invalid() {
     let mut llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", CONFIG);
     let before = llama.metric("tokens_predicted_total").await;
-    let chat = |stream: bool, tokens: u64| {
-        json!({
-            "messages": [{ "role": "user", "content": "Tell me about the sea." }],
-            "max_tokens": tokens,
-            "stream": stream,
-        })
+    let sea = |stream: bool, tokens: u64| {
+        chat("Tell me about the sea.")
+            .with("max_tokens", tokens)
+            .with("stream", stream)
     };
     let batch = [("x-guard-class", "batch")];
     assert_eq!(
-        post(guard.listen, "/v1/chat/completions", &[], &chat(false, 7))
+        post(guard.listen, "/v1/chat/completions", &[], &sea(false, 7))
             .await
             .status,
         200
     );
     assert_eq!(
-        post_streamed(guard.listen, "/v1/chat/completions", &[], &chat(true, 9))
+        post_streamed(guard.listen, "/v1/chat/completions", &[], &sea(true, 9))
             .await
             .status,
         200
     );
-    let completion = json!({ "prompt": "The sea is", "n_predict": 11 });
+    let the_sea_is = json!({ "prompt": "The sea is", "n_predict": 11 });
     assert_eq!(
-        post(guard.listen, "/completion", &[], &completion)
+        post(guard.listen, "/completion", &[], &the_sea_is)
             .await
             .status,
         200
     );
     assert_eq!(
-        post(
-            guard.listen,
-            "/v1/chat/completions",
-            &batch,
-            &chat(false, 5)
-        )
-        .await
-        .status,
+        post(guard.listen, "/v1/chat/completions", &batch, &sea(false, 5))
+            .await
+            .status,
         200
     );
     assert_eq!(
-        post_streamed(guard.listen, "/v1/chat/completions", &batch, &chat(true, 6))
+        post_streamed(guard.listen, "/v1/chat/completions", &batch, &sea(true, 6))
             .await
             .status,
         200
@@ -222,12 +215,7 @@ async fn tokens_are_the_servers_own_count_and_a_cut_job_is_invalid() {
     assert!(m("guard_generation_tokens_per_second_count{class=\"interactive\"}") >= 3.0);
 
     // The server dies halfway through a long answer: that job is invalid.
-    let long = json!({
-        "prompt": "Write a long story.",
-        "n_predict": 2000,
-        "ignore_eos": true,
-        "stream": true,
-    });
+    let long = completion("Write a long story.", 2000).with("stream", true);
     let (response, _sender, _connection) =
         guard_tests::http::open_post(guard.listen, "/completion", &[], &long)
             .await
@@ -259,7 +247,7 @@ async fn a_small_flow_gets_its_turns_beside_a_large_one() {
     let send = |tenant: &'static str| {
         let (addr, done) = (guard.listen, std::sync::Arc::clone(&done));
         tokio::spawn(async move {
-            let body = json!({ "prompt": "Count to ten:", "n_predict": 16, "ignore_eos": true });
+            let body = completion("Count to ten:", 16);
             let headers = [("x-guard-class", "batch"), ("x-tenant", tenant)];
             let answer = post(addr, "/completion", &headers, &body).await;
             assert_eq!(answer.status, 200);
@@ -294,7 +282,7 @@ async fn a_class_that_expects_json_counts_only_json_answers() {
     let guard = GuardProcess::start(llama.addr, "openai", &config);
     let batch = [("x-guard-class", "batch")];
     let json_only = json!({ "prompt": "Answer:", "grammar": "root ::= \"{\\\"ok\\\": true}\"", "n_predict": 20 });
-    let prose = json!({ "prompt": "Once upon a time", "n_predict": 8, "ignore_eos": true });
+    let prose = completion("Once upon a time", 8);
     for (body, stream) in [
         (&json_only, false),
         (&json_only, true),
@@ -354,19 +342,20 @@ struct Job {
 
 impl Job {
     fn shapes() -> [Self; 4] {
-        let chat = |content: &str| json!([{ "role": "user", "content": content }]);
         [
             Self {
                 path: "/v1/chat/completions",
-                body: json!({ "messages": chat("Tell me a short story about a cat."),
-                              "max_tokens": 150, "temperature": 0 }),
+                body: chat("Tell me a short story about a cat.")
+                    .with("max_tokens", 150)
+                    .with("temperature", 0),
                 stream: false,
             },
             // No token limit: it ends at its own stop (50 to 110 tokens).
             Self {
                 path: "/v1/chat/completions",
-                body: json!({ "messages": chat("Explain in a short paragraph why the sky is blue."),
-                              "temperature": 0, "stream": true }),
+                body: chat("Explain in a short paragraph why the sky is blue.")
+                    .with("temperature", 0)
+                    .with("stream", true),
                 stream: true,
             },
             Self {
@@ -417,7 +406,7 @@ impl Job {
 
     async fn send(&self, addr: std::net::SocketAddr, headers: &[(&str, &str)]) -> (u16, String) {
         let answer = post_streamed(addr, self.path, headers, &self.body).await;
-        let bytes: Vec<u8> = answer.frames.iter().flat_map(|(_, b)| b.to_vec()).collect();
+        let bytes = answer.bytes();
         (answer.status, comparable(self.stream, &bytes))
     }
 }
@@ -462,22 +451,16 @@ fn comparable(stream: bool, body: &[u8]) -> String {
 
 /// Waits until llama-server's one slot has generated `tokens` of its running task.
 async fn decoded(llama: std::net::SocketAddr, tokens: u64) {
-    let started = Instant::now();
-    loop {
+    let polling = Polling::within(Duration::from_secs(60), Duration::from_millis(5));
+    until_with(polling, &format!("{tokens} tokens"), async || {
         let slots = guard_tests::http::get(llama, "/slots")
             .await
             .expect("slots")
             .json();
         let n = slots[0]["next_token"][0]["n_decoded"].as_u64().unwrap_or(0);
-        if slots[0]["is_processing"] == true && n >= tokens {
-            return;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "no {tokens} tokens"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+        slots[0]["is_processing"] == true && n >= tokens
+    })
+    .await;
 }
 
 /// Sends a batch job through guard and returns once llama-server has generated five of its
@@ -510,11 +493,7 @@ async fn running_batch_job(
 async fn a_preempted_answer_is_byte_for_byte_the_unpreempted_one() {
     let _serial = serial().await;
     let batch = [("x-guard-class", "batch")];
-    let chat = json!({
-        "messages": [{ "role": "user", "content": "Say hi." }],
-        "max_tokens": 4,
-        "stream": true,
-    });
+    let chat = say_hi();
     let m = |text: &str, series: &str| guard_tests::metric(text, series).unwrap_or(0.0);
     let mut n = 0;
     let only = std::env::var("GUARD_TEST_SHAPE").ok();
@@ -616,18 +595,14 @@ async fn a_paused_request_whose_server_dies_fails_cleanly() {
     let mut llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", EXACT);
     let batch = [("x-guard-class", "batch")];
-    let body = json!({
-        "messages": [{ "role": "user", "content": "Tell me a short story about a cat." }],
-        "max_tokens": 150,
-        "temperature": 0,
-    });
+    let body = chat("Tell me a short story about a cat.")
+        .with("max_tokens", 150)
+        .with("temperature", 0);
     let job = running_batch_job(&guard, llama.addr, "/v1/chat/completions", &body).await;
     // A long interactive answer holds the slot while the batch job waits.
-    let long = json!({
-        "messages": [{ "role": "user", "content": "Write a long story." }],
-        "max_tokens": 1000,
-        "stream": true,
-    });
+    let long = chat("Write a long story.")
+        .with("max_tokens", 1000)
+        .with("stream", true);
     let (head, _sender, _connection) =
         guard_tests::http::open_post(guard.listen, "/v1/chat/completions", &[], &long)
             .await
@@ -690,15 +665,10 @@ async fn an_exact_only_class_stops_only_what_goes_on_exactly() {
         line.contains("from the exact token ids: llama-server"),
         "{said}"
     );
-    let chat = json!({
-        "messages": [{ "role": "user", "content": "Say hi." }],
-        "max_tokens": 4,
-        "stream": true,
-    });
+    let chat = say_hi();
     let constrained = json!({ "prompt": "Letters:", "grammar": "root ::= [a-z ]+",
                               "n_predict": 60, "ignore_eos": true, "temperature": 0 });
-    let plain = json!({ "prompt": "Letters:", "n_predict": 60, "ignore_eos": true,
-                        "temperature": 0 });
+    let plain = completion("Letters:", 60).with("temperature", 0);
     for (body, stopped, resume) in [(&constrained, 0.0, "off"), (&plain, 1.0, "exact")] {
         let job = running_batch_job(&guard, llama.addr, "/completion", body).await;
         assert_eq!(status().await["resume"], resume);
@@ -721,12 +691,11 @@ async fn on_ollama_a_preempted_chat_goes_on_from_its_text_or_is_never_stopped() 
     let _serial = serial().await;
     let ollama =
         guard_tests::servers::OllamaEmulator::start(&["--tokens", "40", "--token-delay-ms", "25"]);
-    let chat = |content: &str| json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": content }] });
     for (setting, stopped, kind) in [("\"exact-only\"", 0.0, "off"), ("true", 1.0, "text")] {
         let config = EXACT.replace("\"exact-only\"", setting);
         let guard = GuardProcess::start(ollama.addr, "ollama", &config);
         let job = {
-            let (addr, body) = (guard.listen, chat("a long answer"));
+            let (addr, body) = (guard.listen, ollama_chat("a long answer"));
             tokio::spawn(async move {
                 post_streamed(addr, "/api/chat", &[("x-guard-class", "batch")], &body).await
             })
@@ -734,7 +703,7 @@ async fn on_ollama_a_preempted_chat_goes_on_from_its_text_or_is_never_stopped() 
         guard
             .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
             .await;
-        let answered = post_streamed(guard.listen, "/api/chat", &[], &chat("hi")).await;
+        let answered = post_streamed(guard.listen, "/api/chat", &[], &ollama_chat("hi")).await;
         assert_eq!(answered.status, 200);
         let job = job.await.expect("batch job");
         assert_eq!(job.status, 200);

@@ -6,12 +6,17 @@
 
 use std::time::{Duration, Instant};
 
+use guard_testkit::{Polling, until_with};
 use guard_tests::{
-    http::{Leave, leave, post, raw_request, start_pipelined_request},
+    body::{With as _, completion, ollama_chat, ollama_generate},
+    http::{
+        Answers, Leave, leave, post, raw_request, read_until, request_bytes,
+        start_pipelined_request,
+    },
     serial,
     servers::{GuardProcess, LlamaServer, OllamaEmulator},
 };
-use serde_json::json;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 const CLASSES: &str = "[class.interactive]\npriority = 0\nmax_queue = 8\n\
                        [class.batch]\npriority = 10\nmax_queue = 1000\n";
@@ -25,10 +30,6 @@ fn config(ebpf: bool) -> String {
     }
 }
 
-fn completion(tokens: u32, prompt: &str) -> serde_json::Value {
-    json!({ "prompt": prompt, "n_predict": tokens, "ignore_eos": true })
-}
-
 async fn queued_clients_that_leave_never_reach_the_server(ebpf: bool) {
     let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
@@ -38,13 +39,13 @@ async fn queued_clients_that_leave_never_reach_the_server(ebpf: bool) {
         if ebpf { 1.0 } else { 0.0 }
     );
     let before = llama.metric("tokens_predicted_total").await;
-    let (addr, running_tokens) = (guard.listen, 200);
+    let (addr, running_tokens) = (guard.listen, 200_u32);
     let running = tokio::spawn(async move {
         post(
             addr,
             "/completion",
             &[("x-guard-class", "batch")],
-            &completion(running_tokens, "Tell a story."),
+            &completion("Tell a story.", running_tokens.into()),
         )
         .await
     });
@@ -55,14 +56,14 @@ async fn queued_clients_that_leave_never_reach_the_server(ebpf: bool) {
         guard.listen,
         "/completion",
         &[("x-guard-class", "batch")],
-        &completion(50, "One."),
+        &completion("One.", 50),
     )
     .await;
     let reset = raw_request(
         guard.listen,
         "/completion",
         &[("x-guard-class", "batch")],
-        &completion(50, "Two."),
+        &completion("Two.", 50),
     )
     .await;
     guard
@@ -97,33 +98,23 @@ async fn queued_clients_that_leave_never_reach_the_server_userspace() {
 }
 
 async fn a_streaming_client_that_leaves_frees_the_slot(ebpf: bool, how: Leave) {
-    use tokio::io::AsyncReadExt as _;
     let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", &config(ebpf));
-    let body = json!({ "prompt": "Tell a long story.", "n_predict": 2000, "ignore_eos": true, "stream": true });
+    let body = completion("Tell a long story.", 2000).with("stream", true);
     let mut stream = raw_request(guard.listen, "/completion", &[], &body).await;
     // Read until the first token has been relayed: the server is generating.
-    let mut buffer = vec![0u8; 4096];
-    let mut seen = String::new();
-    while !seen.contains("data: ") {
-        let n = stream.read(&mut buffer).await.expect("read");
-        assert!(n > 0, "stream ended early: {seen}");
-        seen.push_str(&String::from_utf8_lossy(&buffer[..n]));
-    }
+    read_until(&mut stream, |seen| seen.contains("data: "))
+        .await
+        .unwrap_or_else(|seen| panic!("stream ended early: {seen}"));
     assert_eq!(llama.metric("requests_processing").await, 1.0);
     let left = Instant::now();
     leave(stream, how);
-    loop {
-        if llama.metric("requests_processing").await == 0.0 {
-            break;
-        }
-        assert!(
-            left.elapsed() < Duration::from_secs(2),
-            "the slot was not freed within 2 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let polling = Polling::within(Duration::from_secs(2), Duration::from_millis(20));
+    until_with(polling, "the slot is freed", async || {
+        llama.metric("requests_processing").await == 0.0
+    })
+    .await;
     let freed = left.elapsed();
     eprintln!("slot freed {freed:?} after the client left ({how:?}, eBPF {ebpf})");
     guard
@@ -159,18 +150,8 @@ async fn five_hundred_queued_clients_vanish_at_once(ebpf: bool) {
     let _serial = serial().await;
     let ollama = OllamaEmulator::start(&["--tokens", "500", "--token-delay-ms", "20"]);
     let guard = GuardProcess::start(ollama.addr, "ollama", &config(ebpf));
-    let chat =
-        json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }] });
-    let running = raw_request(
-        guard.listen,
-        "/api/chat",
-        &[("x-guard-class", "batch")],
-        &chat,
-    )
-    .await;
-    guard
-        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-        .await;
+    let chat = ollama_chat("hi");
+    let running = guard.running_batch("/api/chat", &chat).await;
     let mut clients = Vec::new();
     for i in 0..CLIENTS {
         clients.push(
@@ -237,45 +218,26 @@ async fn five_hundred_queued_clients_vanish_at_once_userspace() {
 }
 
 async fn keep_alive_close_between_requests_reaps_nothing(ebpf: bool) {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let _serial = serial().await;
     let ollama = OllamaEmulator::start(&["--tokens", "3", "--token-delay-ms", "1"]);
     let guard = GuardProcess::start(ollama.addr, "ollama", &config(ebpf));
-    let body = json!({ "model": "smollm2:135m", "prompt": "hi", "stream": false }).to_string();
-    let request = format!(
-        "POST /api/generate HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    let mut stream = tokio::net::TcpStream::connect(guard.listen)
-        .await
-        .expect("connect");
+    let request = request_bytes("/api/generate", &[], &ollama_generate("hi"));
+    let mut answers = Answers::connect(guard.listen).await;
     for _ in 0..2 {
-        stream.write_all(request.as_bytes()).await.expect("send");
-        // Read one whole response (Content-Length framed) before the next request.
-        let mut response = Vec::new();
-        let mut buffer = [0u8; 4096];
-        loop {
-            let n = stream.read(&mut buffer).await.expect("read");
-            assert!(n > 0, "closed early");
-            response.extend_from_slice(&buffer[..n]);
-            let text = String::from_utf8_lossy(&response);
-            if let Some((head, rest)) = text.split_once("\r\n\r\n") {
-                let length: usize = head
-                    .lines()
-                    .find_map(|l| {
-                        l.to_ascii_lowercase()
-                            .strip_prefix("content-length: ")
-                            .map(str::to_owned)
-                    })
-                    .and_then(|v| v.trim().parse().ok())
-                    .expect("content-length");
-                if rest.len() >= length {
-                    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-                    break;
-                }
-            }
-        }
+        answers
+            .stream
+            .write_all(request.as_bytes())
+            .await
+            .expect("send");
+        // One whole response (Content-Length framed) before the next request.
+        let answer = answers.next().await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(
+            answer.to_ascii_lowercase().contains("\r\ncontent-length:"),
+            "Content-Length framed: {answer}"
+        );
     }
+    let stream = answers.stream;
     guard
         .wait_for_metric(
             "guard_requests_total{class=\"interactive\",outcome=\"completed\"}",
@@ -285,14 +247,9 @@ async fn keep_alive_close_between_requests_reaps_nothing(ebpf: bool) {
     leave(stream, Leave::Fin);
     // A later request's completion orders the check after the close was handled.
     assert_eq!(
-        post(
-            guard.listen,
-            "/api/generate",
-            &[],
-            &json!({ "model": "smollm2:135m", "prompt": "x", "stream": false })
-        )
-        .await
-        .status,
+        post(guard.listen, "/api/generate", &[], &ollama_generate("x"))
+            .await
+            .status,
         200
     );
     let text = guard.metrics_text().await;
@@ -321,12 +278,11 @@ async fn keep_alive_close_between_requests_reaps_nothing_userspace() {
 }
 
 async fn half_close(means_gone: bool) -> (usize, f64) {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let _serial = serial().await;
     let ollama = OllamaEmulator::start(&["--tokens", "20", "--token-delay-ms", "50"]);
     let extra = format!("{CLASSES}[server]\nhalf_close_means_gone = {means_gone}\n");
     let guard = GuardProcess::start(ollama.addr, "ollama", &extra);
-    let body = json!({ "model": "smollm2:135m", "prompt": "hi", "stream": false });
+    let body = ollama_generate("hi");
     let mut stream = raw_request(guard.listen, "/api/generate", &[], &body).await;
     // Half-close once the request runs (a FIN before hyper has read the request is a client
     // that left before asking anything).
@@ -368,13 +324,9 @@ async fn a_client_that_leaves_behind_a_pipelined_request_is_reaped(ebpf: bool) {
     let _serial = serial().await;
     let ollama = OllamaEmulator::start(&["--tokens", "500", "--token-delay-ms", "20"]);
     let guard = GuardProcess::start(ollama.addr, "ollama", &config(ebpf));
-    let chat =
-        json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }] });
+    let chat = ollama_chat("hi");
     let batch = [("x-guard-class", "batch")];
-    let running = raw_request(guard.listen, "/api/chat", &batch, &chat).await;
-    guard
-        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-        .await;
+    let running = guard.running_batch("/api/chat", &chat).await;
     let mut waiting = raw_request(guard.listen, "/api/chat", &batch, &chat).await;
     start_pipelined_request(&mut waiting).await;
     guard
@@ -415,7 +367,6 @@ async fn a_client_that_closes_after_the_last_line_completed() {
     // Clients close as soon as they read a stream's last event (Ollama's `"done":true`, SSE's
     // `[DONE]`), while the server's chunked terminator may still be on its way (llama-server
     // writes it apart): they had the whole answer, so the request completed, not reaped.
-    use tokio::io::AsyncReadExt as _;
     let _serial = serial().await;
     let ollama = OllamaEmulator::start(&[
         "--tokens",
@@ -426,18 +377,13 @@ async fn a_client_that_closes_after_the_last_line_completed() {
         "10",
     ]);
     let guard = GuardProcess::start(ollama.addr, "ollama", &config(true));
-    let chat =
-        json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }] });
+    let chat = ollama_chat("hi");
     let interactive = [("x-guard-class", "interactive")];
     let mut stream = raw_request(guard.listen, "/api/chat", &interactive, &chat).await;
-    let mut seen = Vec::new();
-    let mut buffer = [0u8; 4096];
     let last_line = |text: &str| text.contains("\"done\":true") || text.contains("\"done\": true");
-    while !last_line(&String::from_utf8_lossy(&seen)) {
-        let n = stream.read(&mut buffer).await.expect("read");
-        assert!(n > 0, "the stream ended before its last line");
-        seen.extend_from_slice(&buffer[..n]);
-    }
+    read_until(&mut stream, last_line)
+        .await
+        .unwrap_or_else(|_| panic!("the stream ended before its last line"));
     leave(stream, Leave::Fin);
     guard
         .wait_for_metric(

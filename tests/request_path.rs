@@ -4,7 +4,9 @@
 
 use std::time::{Duration, Instant};
 
+use guard_testkit::trickle;
 use guard_tests::{
+    body::{self, STORY, With as _},
     http::{self, post, post_streamed},
     metric, rss_bytes, serial,
     servers::{GuardProcess, LlamaServer},
@@ -14,15 +16,13 @@ use tokio::task::JoinHandle;
 
 /// A generation of exactly `tokens` tokens (llama.cpp's /completion, end-of-text ignored).
 fn completion(tokens: u32) -> Value {
-    json!({ "prompt": "Write a story about a lighthouse.", "n_predict": tokens, "ignore_eos": true })
+    body::completion(STORY, tokens.into())
 }
 
 fn chat(max_tokens: u32, stream: bool) -> Value {
-    json!({
-        "messages": [{ "role": "user", "content": "Say hello." }],
-        "max_tokens": max_tokens,
-        "stream": stream,
-    })
+    body::chat("Say hello.")
+        .with("max_tokens", max_tokens)
+        .with("stream", stream)
 }
 
 /// A /completion in the background: its response and when it ended.
@@ -43,13 +43,19 @@ fn spawn_completion(guard: &GuardProcess, class: &str, tokens: u32) -> Completio
     })
 }
 
-/// Fills the batch class (max_queue 2): one request of `tokens` running, two short ones
-/// waiting.
-async fn fill_batch(guard: &GuardProcess, tokens: u32) -> (Completion, Vec<Completion>) {
+/// A batch /completion of `tokens` in the background, once guard runs it.
+async fn running_completion(guard: &GuardProcess, tokens: u32) -> Completion {
     let running = spawn_completion(guard, "batch", tokens);
     guard
         .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
         .await;
+    running
+}
+
+/// Fills the batch class (max_queue 2): one request of `tokens` running, two short ones
+/// waiting.
+async fn fill_batch(guard: &GuardProcess, tokens: u32) -> (Completion, Vec<Completion>) {
+    let running = running_completion(guard, tokens).await;
     let queued = vec![
         spawn_completion(guard, "batch", 4),
         spawn_completion(guard, "batch", 4),
@@ -68,10 +74,7 @@ async fn interactive_is_served_before_earlier_batch() {
     let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
-    let running = spawn_completion(&guard, "batch", 200);
-    guard
-        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-        .await;
+    let running = running_completion(&guard, 200).await;
     let batch = spawn_completion(&guard, "batch", 8);
     guard
         .wait_for_metric("guard_queue_depth{class=\"batch\"}", 1.0)
@@ -106,10 +109,7 @@ async fn a_deadline_that_cannot_be_met_is_refused_at_once() {
                   [class.interactive]\npriority = 0\nmax_queue = 4\ndeadline_ms = 1500\n\
                   [class.batch]\npriority = 10\nmax_queue = 4\n";
     let guard = GuardProcess::start(llama.addr, "openai", config);
-    let running = spawn_completion(&guard, "batch", 300);
-    guard
-        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-        .await;
+    let running = running_completion(&guard, 300).await;
     let prompt_tokens = llama.metric("prompt_tokens_total").await;
 
     let response = post(guard.listen, "/v1/chat/completions", &[], &chat(8, false)).await;
@@ -150,10 +150,7 @@ async fn a_waiting_request_past_its_deadline_is_taken_out_with_503() {
                   [class.interactive]\npriority = 0\nmax_queue = 4\ndeadline_ms = 800\n\
                   [class.batch]\npriority = 10\nmax_queue = 4\n";
     let guard = GuardProcess::start(llama.addr, "openai", config);
-    let running = spawn_completion(&guard, "batch", 600);
-    guard
-        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-        .await;
+    let running = running_completion(&guard, 600).await;
     let response = post(guard.listen, "/v1/chat/completions", &[], &chat(8, false)).await;
     assert_eq!(response.status, 503, "{}", response.text());
     assert_eq!(response.json()["error"]["code"], "deadline_expired");
@@ -225,8 +222,7 @@ async fn streams_are_relayed_chunk_by_chunk() {
     let guard = GuardProcess::start(llama.addr, "openai", TWO_CLASSES);
     // All 48 tokens (llama-server's ignore_eos): a reply the model ends after a few tokens
     // would leave too few frames to tell streaming from buffering.
-    let mut body = chat(48, true);
-    body["ignore_eos"] = json!(true);
+    let body = chat(48, true).with("ignore_eos", true);
     let streamed = post_streamed(guard.listen, "/v1/chat/completions", &[], &body).await;
     assert_eq!(streamed.status, 200);
     assert_eq!(
@@ -238,11 +234,7 @@ async fn streams_are_relayed_chunk_by_chunk() {
         "{} frames: not relayed as they came",
         streamed.frames.len()
     );
-    let text: String = streamed
-        .frames
-        .iter()
-        .map(|(_, b)| String::from_utf8_lossy(b).into_owned())
-        .collect();
+    let text = streamed.text();
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     let (first, last) = (
         streamed.frames[0].0,
@@ -459,7 +451,7 @@ async fn sighup_reloads_limits_and_a_bad_file_keeps_the_old_config() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn slow_headers_are_cut_off() {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::io::AsyncReadExt as _;
     let _serial = serial().await;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(
@@ -470,18 +462,12 @@ async fn slow_headers_are_cut_off() {
     let stream = tokio::net::TcpStream::connect(guard.listen)
         .await
         .expect("connect");
-    let (mut reader, mut writer) = stream.into_split();
+    let (mut reader, writer) = stream.into_split();
     let started = Instant::now();
     // A client that sends its request head one byte at a time, slowly (the behaviour under
     // test, not a wait for synchronisation).
-    let trickle = tokio::spawn(async move {
-        for byte in b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n" {
-            if writer.write_all(&[*byte]).await.is_err() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    });
+    let head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n".to_vec();
+    let trickle = trickle(writer, head, Duration::from_millis(200));
     let mut buffer = Vec::new();
     let _ = reader.read_to_end(&mut buffer).await;
     let elapsed = started.elapsed();
@@ -512,8 +498,7 @@ async fn two_thousand_waiting_clients_keep_memory_bounded() {
         "[class.interactive]\nmax_queue = 8\n[class.batch]\npriority = 10\nmax_queue = 5000\n",
     );
     let idle = rss_bytes(guard.pid());
-    let chat =
-        json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }] });
+    let chat = body::ollama_chat("hi");
     let clients: Vec<_> = (0..CLIENTS)
         .map(|_| {
             let (addr, chat) = (guard.listen, chat.clone());
@@ -600,28 +585,24 @@ async fn spelling_upstream() -> std::net::SocketAddr {
 
 /// The response head guard sends for `request`, as bytes on the wire.
 async fn raw_head(addr: std::net::SocketAddr, request: &str) -> String {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    stream.write_all(request.as_bytes()).await.expect("send");
-    let mut answer = Vec::new();
-    stream.read_to_end(&mut answer).await.expect("read");
-    let text = String::from_utf8_lossy(&answer).into_owned();
-    text.split("\r\n\r\n").next().unwrap_or_default().to_owned()
+    let answer = http::raw(addr, request.as_bytes()).await;
+    answer
+        .split("\r\n\r\n")
+        .next()
+        .unwrap_or_default()
+        .to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn header_names_reach_the_client_as_the_upstream_spelled_them() {
     let upstream = spelling_upstream().await;
     let guard = GuardProcess::start(upstream, "openai", "");
-    let body = r#"{"messages":[{"role":"user","content":"hi"}],"stream":true}"#;
-    let queued = raw_head(
-        guard.listen,
-        &format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        ),
-    )
-    .await;
+    let request = http::request_bytes(
+        "/v1/chat/completions",
+        &[("Connection", "close")],
+        &body::chat("hi").with("stream", true),
+    );
+    let queued = raw_head(guard.listen, &request).await;
     assert!(queued.starts_with("HTTP/1.1 200"), "{queued}");
     assert!(
         queued.contains("\r\nX-custom-SPELLING: Kept"),

@@ -11,9 +11,12 @@ use std::{
     time::{Duration, Instant},
 };
 
+use guard_testkit::{Polling, until_with};
 use guard_tests::{
-    ChildGuard, TempDir, TestCgroup, cgroup2_root, guard_bin,
-    http::{Leave, leave, post, raw_request},
+    ChildGuard, TempDir, TestCgroup,
+    body::{With as _, chat},
+    cgroup2_root, guard_bin,
+    http::{Leave, leave, post},
     process_cpu_seconds, require_root, serial,
     servers::{GuardProcess, LlamaServer},
 };
@@ -76,19 +79,10 @@ async fn put_at_risk(
     // which cannot know how long that is, estimates it from what it has seen complete. With a
     // limit it would see the chat cannot start within its deadline and refuse it at once.
     let long = json!({ "prompt": "Write a long story.", "ignore_eos": true });
-    let batch = raw_request(
-        guard.listen,
-        "/completion",
-        &[("x-guard-class", "batch")],
-        &long,
-    )
-    .await;
-    guard
-        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-        .await;
+    let batch = guard.running_batch("/completion", &long).await;
     let addr = guard.listen;
     // A short answer, so that the estimate stays short and the next one is admitted too.
-    let short = json!({ "messages": [{ "role": "user", "content": "hi" }], "max_tokens": 2 });
+    let short = chat("hi").with("max_tokens", 2);
     let interactive =
         tokio::spawn(async move { post(addr, "/v1/chat/completions", &[], &short).await.status });
     guard
@@ -205,14 +199,11 @@ async fn cgroup_v1_cpu_quota_limits_batch_to_its_share() {
     guard
         .wait_for_metric("guard_at_risk{reason=\"wait\"}", 0.0)
         .await;
-    let started = Instant::now();
-    while read(cgroup.path.join("cpu.cfs_quota_us")) != original {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "quota not restored"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let polling = Polling::within(Duration::from_secs(10), Duration::from_millis(50));
+    until_with(polling, "the quota is restored", async || {
+        read(cgroup.path.join("cpu.cfs_quota_us")) == original
+    })
+    .await;
     assert!(
         cpu_over(pid, Duration::from_millis(500)) > 0.3,
         "full speed again"

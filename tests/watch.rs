@@ -14,7 +14,9 @@ use std::{
 };
 
 use guard_tests::{
-    ChildGuard, TempDir, free_addr, guard_bin,
+    ChildGuard, TempDir,
+    body::{With as _, ollama_chat},
+    free_addr, guard_bin,
     http::{get, post},
     serial,
     servers::{GuardProcess, LlamaServer, OllamaEmulator},
@@ -26,7 +28,7 @@ const CLASSES: &str = "[class.interactive]\npriority = 0\nmax_queue = 8\ndeadlin
                        [watch]\ninterval_ms = 200\ncold_load_ms = 300\n";
 
 fn chat(model: &str) -> serde_json::Value {
-    json!({ "model": model, "messages": [{ "role": "user", "content": "hi" }], "stream": false })
+    ollama_chat("hi").with("model", model).with("stream", false)
 }
 
 /// An emulated Ollama with one model half on the CPU, slow cold loads and one cloud model,

@@ -13,13 +13,8 @@ use std::{
 };
 
 use bytes::Bytes;
-use guard_tests::{
-    counting::{Counting, Play},
-    free_addr,
-    peers::Peer,
-    servers::GuardProcess,
-    workload::percentile,
-};
+use guard_testkit::{Mode, Script, Upstream};
+use guard_tests::{free_addr, peers::Peer, servers::GuardProcess, workload::percentile};
 use http_body_util::{BodyExt as _, Full};
 use hyper_util::rt::TokioIo;
 
@@ -61,10 +56,10 @@ struct Run {
 async fn run(agent: bool) -> Run {
     let mut boxes = Vec::new();
     for _ in 0..BOXES {
-        let upstream = Counting::start().await;
+        let upstream = Upstream::start().await;
         let agent_addr = free_addr();
         let config = format!("{BOX}[cluster]\nagent_listen = \"{agent_addr}\"\n");
-        let guard = GuardProcess::start(upstream.addr, "openai", &config);
+        let guard = GuardProcess::start(upstream.addr(), "openai", &config);
         boxes.push((upstream, guard, agent_addr));
     }
     let servers: Vec<(SocketAddr, Option<SocketAddr>)> = boxes
@@ -88,7 +83,8 @@ async fn run(agent: bool) -> Run {
             while Instant::now() < until {
                 seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
                 let frames = 5 + (seed >> 33) % 56;
-                match request(front, "batch", &Play::new("stream").frames(frames, 20)).await {
+                let stream = Script::new(Mode::Stream).frames(frames, Duration::from_millis(20));
+                match request(front, "batch", &stream).await {
                     Some((200, _)) => done.fetch_add(1, Ordering::Relaxed),
                     Some((503, _)) => {
                         refused.fetch_add(1, Ordering::Relaxed);
@@ -107,7 +103,8 @@ async fn run(agent: bool) -> Run {
         tasks.push(tokio::spawn(async move {
             let mut ttfts = Vec::new();
             while Instant::now() < until {
-                match request(front, "interactive", &Play::new("stream").frames(5, 10)).await {
+                let stream = Script::new(Mode::Stream).frames(5, Duration::from_millis(10));
+                match request(front, "interactive", &stream).await {
                     Some((200, ttft)) => ttfts.push(ttft),
                     Some((503, _)) => {
                         refused.fetch_add(1, Ordering::Relaxed);
@@ -135,7 +132,7 @@ async fn run(agent: bool) -> Run {
 
 /// One request of `class` through the front; its status and its time to the first byte of
 /// the answer's body (the whole answer is read). None: the connection failed.
-async fn request(front: SocketAddr, class: &str, play: &Play) -> Option<(u16, Duration)> {
+async fn request(front: SocketAddr, class: &str, script: &Script) -> Option<(u16, Duration)> {
     let stream = tokio::net::TcpStream::connect(front).await.ok()?;
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
@@ -145,7 +142,7 @@ async fn request(front: SocketAddr, class: &str, play: &Play) -> Option<(u16, Du
         .header("host", "fleet")
         .header("content-type", "application/json")
         .header("x-guard-class", class)
-        .body(Full::new(Bytes::from(play.json().to_string())))
+        .body(Full::new(Bytes::from(script.json().to_string())))
         .ok()?;
     let started = Instant::now();
     let response = sender.send_request(request).await.ok()?;

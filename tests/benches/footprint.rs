@@ -5,11 +5,11 @@
 use std::time::Duration;
 
 use guard_tests::{
+    body::{With as _, ollama_chat},
     http::post,
     process_cpu_seconds, rss_bytes,
     servers::{GuardProcess, OllamaEmulator},
 };
-use serde_json::json;
 
 const REQUESTS: usize = 1_000;
 const CLIENTS: usize = 8;
@@ -37,7 +37,7 @@ fn main() {
         let (_, cpu_after) = usage(pid);
         let idle_share = (cpu_after - cpu_before) / IDLE_SECONDS as f64;
 
-        let chat = json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }], "stream": false });
+        let chat = ollama_chat("hi").with("stream", false);
         let (_, load_before) = usage(pid);
         let mut peak_rss = 0;
         let per_client = REQUESTS / CLIENTS;

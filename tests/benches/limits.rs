@@ -2,16 +2,17 @@
 //! llama-server, and how soon after a stall (an upstream that stops, a client that stops
 //! reading) the next request starts, against the goal of the timeout plus 100 ms.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use guard_testkit::{Mode, Polling, Script, Upstream, until_with};
 use guard_tests::{
-    counting::{Counting, Play, post_play, stalled_reader},
+    body::{With as _, chat, completion},
     http::{post, post_streamed, raw_request},
     metric, rss_bytes,
+    scripted::{post_script, stalled_reader},
     servers::{GuardProcess, LlamaServer},
     workload::percentile,
 };
-use serde_json::json;
 use tokio::task::JoinSet;
 
 const ROUNDS: usize = 4;
@@ -52,12 +53,12 @@ async fn main() {
 async fn waiting_bodies() {
     const CLIENTS: usize = 1_000;
     const MIB: usize = 1 << 20;
-    let upstream = Counting::start().await;
+    let upstream = Upstream::start().await;
     let config = "[server]\nbody_limit_bytes = 2097152\nmax_body_bytes_in_flight = 2147483648\n\
                   [class.interactive]\nmax_queue = 2000\n";
-    let guard = GuardProcess::start(upstream.addr, "openai", config);
+    let guard = GuardProcess::start(upstream.addr(), "openai", config);
     // Idle after a first request: what any serving guard has touched.
-    let mut body = Play::new("complete").json();
+    let mut body = Script::new(Mode::Complete).json();
     body["pad"] = serde_json::Value::String(" ".repeat(MIB - 64));
     assert_eq!(
         post(guard.listen, "/v1/chat/completions", &[], &body)
@@ -71,7 +72,7 @@ async fn waiting_bodies() {
         guard.listen,
         "/v1/chat/completions",
         &[],
-        &Play::new("hang").frames(1, 0).json(),
+        &Script::new(Mode::Hang).frames(1, Duration::ZERO).json(),
     )
     .await;
     let mut clients = Vec::with_capacity(CLIENTS);
@@ -124,13 +125,15 @@ async fn prediction_error() {
         for (i, tokens) in [16u64, 96, 32, 160, 48, 64].into_iter().enumerate() {
             let stream = (round + i) % 2 == 0;
             work.spawn(async move {
-                let body = json!({ "prompt": format!("Story {round}.{i}."), "n_predict": tokens, "ignore_eos": true, "stream": stream });
-                let _ = post_streamed(addr, "/completion", &[("x-guard-class", "batch")], &body).await;
+                let body =
+                    completion(&format!("Story {round}.{i}."), tokens).with("stream", stream);
+                let _ =
+                    post_streamed(addr, "/completion", &[("x-guard-class", "batch")], &body).await;
             });
         }
         for i in 0..2 {
             work.spawn(async move {
-                let body = json!({ "messages": [{ "role": "user", "content": format!("Hi {round}.{i}") }], "max_tokens": 12 });
+                let body = chat(&format!("Hi {round}.{i}")).with("max_tokens", 12);
                 let _ = post(addr, "/v1/chat/completions", &[], &body).await;
             });
         }
@@ -201,33 +204,32 @@ impl Dispatch {
 
 /// Time from a stall's start to the next request's start at the upstream, minus the limit.
 async fn stall_overshoot(client_stall: bool) -> Vec<Duration> {
-    let upstream = Counting::start().await;
+    let upstream = Upstream::start().await;
     let config = format!(
         "[class.interactive]\npriority = 0\nmax_queue = 4\nupstream_idle_ms = {STALL_MS}\nclient_stall_ms = {STALL_MS}\n[class.batch]\npriority = 10\n"
     );
-    let guard = GuardProcess::start(upstream.addr, "openai", &config);
+    let guard = GuardProcess::start(upstream.addr(), "openai", &config);
     let mut samples = Vec::with_capacity(TRIALS);
     for trial in 0..TRIALS {
-        let before = upstream.exchanges().len();
+        let before = upstream.started();
         let _stalled = if client_stall {
             Some(stalled_reader(guard.listen).await)
         } else {
             let addr = guard.listen;
             tokio::spawn(async move {
-                let play = Play::new("hang").frames(2, 5);
-                post_streamed(addr, "/v1/chat/completions", &[], &play.json()).await
+                let script = Script::new(Mode::Hang).frames(2, Duration::from_millis(5));
+                post_streamed(addr, "/v1/chat/completions", &[], &script.json()).await
             });
             None
         };
-        let started = Instant::now();
-        while upstream.exchanges().len() == before {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "trial {trial}: nothing started"
-            );
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        let next = post_play(guard.listen, &Play::new("complete")).await;
+        let polling = Polling::within(Duration::from_secs(10), Duration::from_millis(1));
+        until_with(
+            polling,
+            &format!("trial {trial}: the stall starts"),
+            async || upstream.started() != before,
+        )
+        .await;
+        let next = post_script(guard.listen, &Script::new(Mode::Complete)).await;
         assert_eq!(next.status, 200);
         let exchanges = upstream.exchanges();
         let (stalled, next) = (&exchanges[before], &exchanges[before + 1]);

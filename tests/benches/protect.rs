@@ -14,13 +14,15 @@ use std::{
     time::{Duration, Instant},
 };
 
+use guard_testkit::{Polling, until_with};
 use guard_tests::{
-    ChildGuard, TempDir, TestCgroup, cgroup2_root, free_addr, guard_bin,
+    ChildGuard, TempDir, TestCgroup,
+    body::{With as _, chat, completion},
+    cgroup2_root, free_addr, guard_bin,
     http::{get, post, post_streamed},
     servers::{GuardProcess, LlamaServer},
     workload::percentile,
 };
-use serde_json::json;
 
 const CHATS: usize = 30;
 const DEADLINE_MS: u64 = 150;
@@ -80,22 +82,22 @@ async fn run(scenario: &Scenario) {
     let extractor = {
         let stop = Arc::clone(&stop);
         tokio::spawn(async move {
-            let body =
-                json!({ "prompt": "Extract the names: ...", "n_predict": 64, "ignore_eos": true });
+            let body = completion("Extract the names: ...", 64);
             while !stop.load(Ordering::Relaxed) {
                 post(batch_addr, "/completion", &[], &body).await;
             }
         })
     };
     // One chat first, so both servers are warm before anything is timed.
-    let warm =
-        json!({ "messages": [{ "role": "user", "content": "Say hello." }], "max_tokens": 4 });
+    let warm = chat("Say hello.").with("max_tokens", 4);
     post(guard.listen, "/v1/chat/completions", &[], &warm).await;
     let tokens_before = batch_tokens(batch_addr).await;
     let started = Instant::now();
     let mut ttft = Vec::new();
     for _ in 0..CHATS {
-        let body = json!({ "messages": [{ "role": "user", "content": "Say hello." }], "max_tokens": 8, "stream": true });
+        let body = chat("Say hello.")
+            .with("max_tokens", 8)
+            .with("stream", true);
         let sent = Instant::now();
         let streamed = post_streamed(guard.listen, "/v1/chat/completions", &[], &body).await;
         if let Some((at, _)) = streamed
@@ -153,14 +155,11 @@ async fn batch_server(config: &Path, cgroup: &Path) -> (std::net::SocketAddr, Ch
         .spawn()
         .expect("guard exec llama-server");
     let child = ChildGuard(child);
-    let started = Instant::now();
-    while !get(addr, "/health").await.is_ok_and(|r| r.status == 200) {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "batch llama-server not ready"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let polling = Polling::within(Duration::from_secs(60), Duration::from_millis(50));
+    until_with(polling, "the batch llama-server is ready", async || {
+        get(addr, "/health").await.is_ok_and(|r| r.status == 200)
+    })
+    .await;
     let procs = std::fs::read_to_string(cgroup.join("cgroup.procs")).unwrap_or_default();
     assert!(
         procs.lines().any(|l| l == child.0.id().to_string()),

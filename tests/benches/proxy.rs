@@ -97,7 +97,7 @@ async fn flood_ttft() {
         "[class.interactive]\npriority = 0\nmax_queue = 8\n[class.batch]\npriority = 10\nmax_queue = 1000\n",
     );
     let idle = workload::run(llama.addr, llama.addr, shape, false).await;
-    let body = serde_json::json!({ "prompt": "Extract every name from this text: ...", "n_predict": shape.batch_tokens, "ignore_eos": true });
+    let body = workload::extraction(shape.batch_tokens);
     let started = Instant::now();
     guard_tests::http::post(llama.addr, "/completion", &[], &body).await;
     let batch_service = started.elapsed();

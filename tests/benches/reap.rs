@@ -5,11 +5,11 @@
 use std::time::Duration;
 
 use guard_tests::{
-    http::{Leave, leave, post, raw_request, start_pipelined_request},
+    body::{With as _, completion, ollama_chat},
+    http::{Leave, leave, post, raw_request, read_until, start_pipelined_request},
     servers::{GuardProcess, LlamaServer, OllamaEmulator},
     workload::{percentile, wait_until_idle},
 };
-use serde_json::json;
 
 const SAMPLES: usize = 300;
 const CLASSES: &str = "[class.interactive]\npriority = 0\nmax_queue = 8\n[class.batch]\npriority = 10\nmax_queue = 1000\n";
@@ -57,18 +57,8 @@ async fn reap_latency(ebpf: bool, pipelined: bool) -> Vec<Duration> {
         format!("{CLASSES}[ebpf]\nenabled = false\n")
     };
     let mut guard = GuardProcess::start_with(ollama.addr, "ollama", &extra, false, "guard=debug");
-    let chat =
-        json!({ "model": "smollm2:135m", "messages": [{ "role": "user", "content": "hi" }] });
-    let _running = raw_request(
-        guard.listen,
-        "/api/chat",
-        &[("x-guard-class", "batch")],
-        &chat,
-    )
-    .await;
-    guard
-        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-        .await;
+    let chat = ollama_chat("hi");
+    let _running = guard.running_batch("/api/chat", &chat).await;
     let mut samples = Vec::with_capacity(SAMPLES);
     for i in 0..SAMPLES {
         let mut client = raw_request(
@@ -103,7 +93,7 @@ async fn reap_latency(ebpf: bool, pipelined: bool) -> Vec<Duration> {
 /// waiting, and streaming ones that left after their first token.
 async fn wasted_tokens() {
     const LEAVERS: usize = 4;
-    const TOKENS: u32 = 400;
+    const TOKENS: u64 = 400;
     let llama = LlamaServer::start(1).await;
     let guard = GuardProcess::start(llama.addr, "openai", CLASSES);
     println!(
@@ -120,7 +110,7 @@ async fn wasted_tokens() {
                 target,
                 "/completion",
                 &[("x-guard-class", "batch")],
-                &json!({ "prompt": "Stay.", "n_predict": 300, "ignore_eos": true }),
+                &completion("Stay.", 300),
             )
             .await
         });
@@ -133,8 +123,7 @@ async fn wasted_tokens() {
         }
         let mut leavers = Vec::new();
         for i in 0..LEAVERS {
-            let body =
-                json!({ "prompt": format!("Leave {i}."), "n_predict": TOKENS, "ignore_eos": true });
+            let body = completion(&format!("Leave {i}."), TOKENS);
             leavers.push(
                 raw_request(target, "/completion", &[("x-guard-class", "batch")], &body).await,
             );
@@ -149,18 +138,10 @@ async fn wasted_tokens() {
 
         let before = llama.metric("tokens_predicted_total").await;
         for i in 0..LEAVERS {
-            use tokio::io::AsyncReadExt as _;
-            let body = json!({ "prompt": format!("Stream {i}."), "n_predict": TOKENS, "ignore_eos": true, "stream": true });
+            let body = completion(&format!("Stream {i}."), TOKENS).with("stream", true);
             let mut stream = raw_request(target, "/completion", &[], &body).await;
-            let mut buffer = [0u8; 4096];
-            let mut seen = String::new();
-            while !seen.contains("data: ") {
-                let n = stream.read(&mut buffer).await.expect("read");
-                if n == 0 {
-                    break;
-                }
-                seen.push_str(&String::from_utf8_lossy(&buffer[..n]));
-            }
+            // Its first token, or its end.
+            let _ = read_until(&mut stream, |seen| seen.contains("data: ")).await;
             leave(stream, Leave::Fin);
             wait_until_idle(llama.addr).await;
         }

@@ -1,5 +1,5 @@
 //! A small HTTP/1.1 client for tests, on hyper: whole responses, or streamed frames with the
-//! time each arrived.
+//! time each arrived; and raw requests on sockets, for what hyper would not send or read.
 
 use std::{net::SocketAddr, time::Instant};
 
@@ -34,6 +34,21 @@ pub struct Streamed {
     pub status: u16,
     pub headers: http::HeaderMap,
     pub frames: Vec<(Instant, Bytes)>,
+}
+
+impl Streamed {
+    /// The body's bytes, frame after frame.
+    pub fn bytes(&self) -> Vec<u8> {
+        self.frames.iter().flat_map(|(_, b)| b.to_vec()).collect()
+    }
+
+    /// The body's text, frame after frame.
+    pub fn text(&self) -> String {
+        self.frames
+            .iter()
+            .map(|(_, b)| String::from_utf8_lossy(b).into_owned())
+            .collect()
+    }
 }
 
 type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
@@ -100,11 +115,7 @@ pub async fn send(
     headers: &[(&str, &str)],
     body: Bytes,
 ) -> Result<Response, String> {
-    let (mut sender, _connection) = connect(addr).await?;
-    let response = sender
-        .send_request(request(method, path, headers, body))
-        .await
-        .map_err(|e| e.to_string())?;
+    let (response, _sender, _connection) = open(addr, method, path, headers, body).await?;
     let status = response.status().as_u16();
     let headers = response.headers().clone();
     let body = response
@@ -120,6 +131,29 @@ pub async fn send(
     })
 }
 
+/// A response whose body is not read yet, with its connection (dropping it closes the socket).
+type Opened = (
+    hyper::Response<hyper::body::Incoming>,
+    Sender,
+    ConnectionTask,
+);
+
+/// Sends a request on a fresh connection and returns the response's head, its body unread.
+async fn open(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> Result<Opened, String> {
+    let (mut sender, connection) = connect(addr).await?;
+    let response = sender
+        .send_request(request(method, path, headers, body))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((response, sender, connection))
+}
+
 /// Sends a POST on a fresh connection and returns its response head and body unread, with
 /// the connection (dropping it closes the socket).
 pub async fn open_post(
@@ -127,25 +161,8 @@ pub async fn open_post(
     path: &str,
     headers: &[(&str, &str)],
     body: &serde_json::Value,
-) -> Result<
-    (
-        hyper::Response<hyper::body::Incoming>,
-        Sender,
-        ConnectionTask,
-    ),
-    String,
-> {
-    let (mut sender, connection) = connect(addr).await?;
-    let response = sender
-        .send_request(request(
-            "POST",
-            path,
-            headers,
-            Bytes::from(body.to_string()),
-        ))
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok((response, sender, connection))
+) -> Result<Opened, String> {
+    open(addr, "POST", path, headers, Bytes::from(body.to_string())).await
 }
 
 pub async fn post_streamed(
@@ -182,6 +199,23 @@ pub enum Leave {
     Reset,
 }
 
+/// A POST of `body` as bytes on the wire, with `headers` after its own.
+pub fn request_bytes(path: &str, headers: &[(&str, &str)], body: &serde_json::Value) -> String {
+    let body = body.to_string();
+    format!("{}{body}", post_head(path, headers, body.len()))
+}
+
+fn post_head(path: &str, headers: &[(&str, &str)], length: usize) -> String {
+    let mut head = format!(
+        "POST {path} HTTP/1.1\r\nHost: guard-test\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n"
+    );
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    head
+}
+
 /// Sends one request on a fresh connection and returns the connection unread, so the test can
 /// leave while the request waits or runs.
 pub async fn raw_request(
@@ -192,18 +226,88 @@ pub async fn raw_request(
 ) -> tokio::net::TcpStream {
     use tokio::io::AsyncWriteExt as _;
     let body = body.to_string();
-    let mut head = format!(
-        "POST {path} HTTP/1.1\r\nHost: guard-test\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    for (name, value) in headers {
-        head.push_str(&format!("{name}: {value}\r\n"));
-    }
-    head.push_str("\r\n");
+    let head = post_head(path, headers, body.len());
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
     stream.write_all(head.as_bytes()).await.expect("send head");
     stream.write_all(body.as_bytes()).await.expect("send body");
     stream
+}
+
+/// Sends raw bytes on a fresh connection and reads until the server closes (or for 5 s).
+pub async fn raw(addr: SocketAddr, bytes: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream.write_all(bytes).await.expect("send");
+    let mut seen = Vec::new();
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        stream.read_to_end(&mut seen),
+    )
+    .await;
+    String::from_utf8_lossy(&seen).into_owned()
+}
+
+/// Reads `stream` until what came satisfies `done`; Err with what came if it ended first.
+pub async fn read_until(
+    stream: &mut tokio::net::TcpStream,
+    done: impl Fn(&str) -> bool,
+) -> Result<String, String> {
+    use tokio::io::AsyncReadExt as _;
+    let (mut seen, mut buffer) = (Vec::new(), [0u8; 4096]);
+    loop {
+        let text = String::from_utf8_lossy(&seen).into_owned();
+        if done(&text) {
+            return Ok(text);
+        }
+        match stream.read(&mut buffer).await.expect("read") {
+            0 => return Err(text),
+            n => seen.extend_from_slice(&buffer[..n]),
+        }
+    }
+}
+
+/// A kept-alive connection's answers, one at a time (answers to pipelined requests may
+/// arrive in one read).
+pub struct Answers {
+    pub stream: tokio::net::TcpStream,
+    pub seen: Vec<u8>,
+}
+
+impl Answers {
+    pub async fn connect(addr: SocketAddr) -> Self {
+        let stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        Self {
+            stream,
+            seen: Vec::new(),
+        }
+    }
+
+    /// The next whole answer (a head and its Content-Length body).
+    pub async fn next(&mut self) -> String {
+        use tokio::io::AsyncReadExt as _;
+        let mut buffer = [0u8; 4096];
+        loop {
+            if let Some(end) = self.whole() {
+                let answer: Vec<u8> = self.seen.drain(..end).collect();
+                return String::from_utf8_lossy(&answer).into_owned();
+            }
+            let n = self.stream.read(&mut buffer).await.expect("read");
+            let text = String::from_utf8_lossy(&self.seen);
+            assert!(n > 0, "the server closed a kept-alive connection: {text}");
+            self.seen.extend_from_slice(&buffer[..n]);
+        }
+    }
+
+    /// Where the first whole answer read so far ends.
+    fn whole(&self) -> Option<usize> {
+        let head_end = self.seen.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+        let head = String::from_utf8_lossy(&self.seen[..head_end]).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:")?.trim().parse().ok())
+            .unwrap_or(0);
+        (self.seen.len() >= head_end + length).then_some(head_end + length)
+    }
 }
 
 /// Sends the start of a second, pipelined request behind the one `stream` carries. hyper reads

@@ -1,5 +1,6 @@
 //! Shared pieces of guard's integration tests: root checks, RAII guards for cgroups, and
-//! waiting on event streams without sleeping.
+//! waiting on event streams without sleeping. The scripted upstream and waiting for a state
+//! by polling are guard-testkit's, shared with guard's own tests.
 
 #![forbid(unsafe_code)]
 
@@ -11,9 +12,10 @@ use std::{
 
 use tokio::sync::mpsc;
 
-pub mod counting;
+pub mod body;
 pub mod http;
 pub mod peers;
+pub mod scripted;
 pub mod servers;
 pub mod workload;
 

@@ -10,6 +10,9 @@ use std::{
     time::{Duration, Instant},
 };
 
+use guard_testkit::{Polling, until_with};
+use tokio::net::TcpStream;
+
 use crate::{TempDir, free_addr, guard_bin, http};
 
 /// How long a server may take to become ready; reaching it fails the test.
@@ -96,16 +99,13 @@ impl LlamaServer {
     }
 
     async fn ready(&self) {
-        let started = Instant::now();
-        loop {
-            if let Ok(response) = http::get(self.addr, "/health").await
-                && response.status == 200
-            {
-                return;
-            }
-            assert!(started.elapsed() < READY_BOUND, "llama-server not ready");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let polling = Polling::within(READY_BOUND, Duration::from_millis(50));
+        until_with(polling, "llama-server is ready", async || {
+            http::get(self.addr, "/health")
+                .await
+                .is_ok_and(|response| response.status == 200)
+        })
+        .await;
     }
 
     /// A counter or gauge from its own /metrics (`llamacpp:NAME`).
@@ -438,19 +438,23 @@ impl GuardProcess {
             .json()
     }
 
+    /// Sends a batch request on a connection of its own and waits until guard runs it (the
+    /// only one running): the connection comes back unread, to leave or to keep.
+    pub async fn running_batch(&self, path: &str, body: &serde_json::Value) -> TcpStream {
+        let running =
+            http::raw_request(self.listen, path, &[("x-guard-class", "batch")], body).await;
+        self.wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+            .await;
+        running
+    }
+
     /// Waits until a metric reaches `value` (a state the test waits for, not a time).
     pub async fn wait_for_metric(&self, series: &str, value: f64) {
-        let started = Instant::now();
-        loop {
-            if self.metric(series).await >= value {
-                return;
-            }
-            assert!(
-                started.elapsed() < READY_BOUND,
-                "{series} never reached {value}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let polling = Polling::within(READY_BOUND, Duration::from_millis(10));
+        until_with(polling, &format!("{series} reaches {value}"), async || {
+            self.metric(series).await >= value
+        })
+        .await;
     }
 
     /// Rewrites the config file with `from` replaced by `to`, then SIGHUP.

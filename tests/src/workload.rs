@@ -10,10 +10,13 @@ use std::{
     time::{Duration, Instant},
 };
 
-use serde_json::json;
+use guard_testkit::{Polling, until_with};
 use tokio::{sync::Barrier, task::JoinSet};
 
-use crate::http::{post, post_streamed};
+use crate::{
+    body::{With as _, chat, completion},
+    http::{post, post_streamed},
+};
 
 /// How the flood and the chats are shaped.
 #[derive(Clone, Copy, Debug)]
@@ -67,18 +70,17 @@ const STORY: &str = "Here are the notes of a harbour town's lighthouse keeper: t
                      and a travelling doctor who passed through each year; a winter storm that \
                      kept the lamp burning for three days. Tell me a story built on these notes.";
 
+/// A bounded batch job: an extraction of exactly `tokens` tokens (llama.cpp's `/completion`).
+pub fn extraction(tokens: u32) -> serde_json::Value {
+    completion("Extract every name from this text: ...", tokens.into())
+}
+
 /// One batch client's request: a bounded extraction, or (odd clients, where the shape says)
 /// a streamed story with no token limit.
 fn batch_request(shape: Shape, client: usize) -> (&'static str, serde_json::Value) {
     match shape.unbounded && client % 2 == 1 {
-        true => (
-            "/v1/chat/completions",
-            json!({ "messages": [{ "role": "user", "content": STORY }], "stream": true }),
-        ),
-        false => (
-            "/completion",
-            json!({ "prompt": "Extract every name from this text: ...", "n_predict": shape.batch_tokens, "ignore_eos": true }),
-        ),
+        true => ("/v1/chat/completions", chat(STORY).with("stream", true)),
+        false => ("/completion", extraction(shape.batch_tokens)),
     }
 }
 
@@ -131,11 +133,9 @@ pub async fn run(target: SocketAddr, llama: SocketAddr, shape: Shape, flood: boo
     // A chat's steps: one for its prompt, one a token.
     let mut chat_steps = 0;
     for n in 0..shape.chats {
-        let body = json!({
-            "messages": [{ "role": "user", "content": "Say hello in five words." }],
-            "max_tokens": shape.chat_tokens,
-            "stream": true,
-        });
+        let body = chat("Say hello in five words.")
+            .with("max_tokens", shape.chat_tokens)
+            .with("stream", true);
         let sent = Instant::now();
         let streamed = post_streamed(target, "/v1/chat/completions", &[], &body).await;
         if streamed.status == 503 {
@@ -193,20 +193,15 @@ pub fn percentile(samples: &[Duration], q: f64) -> Duration {
 
 /// Waits until llama-server has nothing running or waiting (after a flood's clients left).
 pub async fn wait_until_idle(llama: SocketAddr) {
-    let started = Instant::now();
-    loop {
-        if let Ok(response) = crate::http::get(llama, "/metrics").await {
-            let text = response.text();
-            let busy = crate::metric(&text, "llamacpp:requests_processing").unwrap_or(0.0)
-                + crate::metric(&text, "llamacpp:requests_deferred").unwrap_or(0.0);
-            if busy == 0.0 {
-                return;
-            }
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "llama-server stays busy"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let polling = Polling::within(Duration::from_secs(120), Duration::from_millis(100));
+    until_with(polling, "llama-server is idle", async || {
+        let Ok(response) = crate::http::get(llama, "/metrics").await else {
+            return false;
+        };
+        let text = response.text();
+        let busy = crate::metric(&text, "llamacpp:requests_processing").unwrap_or(0.0)
+            + crate::metric(&text, "llamacpp:requests_deferred").unwrap_or(0.0);
+        busy == 0.0
+    })
+    .await;
 }

@@ -5,7 +5,8 @@ mod harness;
 
 use std::time::Duration;
 
-use harness::{Harness, Script, Then};
+use guard_testkit::{Mode, Script};
+use harness::{GAP, Harness, frames};
 use tokio::time::Instant;
 
 use crate::config::{ClassConfig, Config};
@@ -42,7 +43,7 @@ fn with_class(slots: u32, name: &str, change: impl FnOnce(&mut ClassConfig)) -> 
 #[tokio::test(start_paused = true)]
 async fn a_stream_completes_and_its_slot_returns() {
     let guard = Harness::new(config(1));
-    let response = guard.send("interactive", Script::frames(5)).await;
+    let response = guard.send("interactive", frames(5)).await;
     assert_eq!(response.status, 200);
     assert_eq!(response.frames.len(), 5, "{:?}", response.frames);
     assert!(response.clean_end);
@@ -57,9 +58,9 @@ async fn a_stream_completes_and_its_slot_returns() {
 #[tokio::test(start_paused = true)]
 async fn an_idle_upstream_frees_the_slot_at_its_timeout() {
     let guard = Harness::new(config(1));
-    let stuck = guard.spawn("interactive", Script::frames(2).then(Then::Hang));
+    let stuck = guard.spawn("interactive", Script::new(Mode::Hang).frames(2, GAP));
     guard.until(|| guard.upstream.started() == 1).await;
-    let next = guard.spawn("interactive", Script::frames(1));
+    let next = guard.spawn("interactive", frames(1));
     let stuck = stuck.await.expect("stuck");
     // Two frames, then the API's error event and a clean end.
     assert_eq!(stuck.frames.len(), 3, "{:?}", stuck.frames);
@@ -70,10 +71,10 @@ async fn an_idle_upstream_frees_the_slot_at_its_timeout() {
     );
     assert!(stuck.clean_end);
     assert_eq!(next.await.expect("next").status, 200);
-    let starts = guard.upstream.starts();
-    let last_frame = starts[0] + harness::GAP * 2;
+    let exchanges = guard.upstream.exchanges();
+    let last_frame = exchanges[0].started + GAP * 2;
     assert_eq!(
-        starts[1] - last_frame,
+        exchanges[1].started - last_frame,
         Duration::from_secs(1),
         "exactly upstream_idle_ms"
     );
@@ -92,14 +93,16 @@ async fn a_client_that_stops_reading_frees_the_slot_at_its_timeout() {
     let stalled = guard
         .open_stalled(
             "interactive",
-            Script::frames(1_000).sized(64 << 10).gap(Duration::ZERO),
+            Script::new(Mode::Frames)
+                .frames(1_000, Duration::ZERO)
+                .sized(64 << 10),
         )
         .await;
     guard.until(|| guard.upstream.started() == 1).await;
     let began = Instant::now();
-    let next = guard.send("interactive", Script::frames(1)).await;
+    let next = guard.send("interactive", frames(1)).await;
     assert_eq!(next.status, 200);
-    let freed = guard.upstream.starts()[1] - began;
+    let freed = guard.upstream.exchanges()[1].started - began;
     // The pipe fills at once (no time passes in memory); then the stall limit runs.
     assert_eq!(freed, Duration::from_secs(2), "exactly client_stall_ms");
     assert_eq!(
@@ -127,10 +130,7 @@ async fn a_trickled_body_is_cut_off_at_its_timeout() {
     );
     assert_eq!(guard.upstream.started(), 0, "nothing was forwarded");
     // The slot was never taken: the next request is served.
-    assert_eq!(
-        guard.send("interactive", Script::frames(1)).await.status,
-        200
-    );
+    assert_eq!(guard.send("interactive", frames(1)).await.status, 200);
 }
 
 #[tokio::test(start_paused = true)]
@@ -138,9 +138,9 @@ async fn max_duration_ends_a_request_waiting_or_running() {
     let guard = Harness::new(with_class(1, "batch", |class| {
         class.max_duration_ms = Some(3_000);
     }));
-    let running = guard.spawn("batch", Script::frames(100).gap(100 * MS));
+    let running = guard.spawn("batch", Script::new(Mode::Frames).frames(100, 100 * MS));
     guard.until(|| guard.upstream.started() == 1).await;
-    let waiting = guard.send("batch", Script::frames(1)).await;
+    let waiting = guard.send("batch", frames(1)).await;
     assert_eq!(waiting.status, 504, "{waiting:?}");
     assert!(waiting.body().contains("max_duration"), "{waiting:?}");
     let running = running.await.expect("running");
@@ -166,20 +166,25 @@ async fn a_backlog_that_misses_the_deadline_is_refused_on_arrival() {
     }));
     // Teach the estimator: 10 ms a token.
     for tokens in [10, 50, 20] {
-        let script = Script::frames(tokens).gap(10 * MS).tokens(tokens);
+        let script = Script::new(Mode::Frames)
+            .frames(tokens, 10 * MS)
+            .tokens(tokens);
         assert_eq!(guard.send("batch", script).await.status, 200);
     }
-    let running = guard.spawn("batch", Script::frames(300).gap(10 * MS).tokens(300));
+    let running = guard.spawn(
+        "batch",
+        Script::new(Mode::Frames).frames(300, 10 * MS).tokens(300),
+    );
     guard.until(|| guard.upstream.started() == 4).await;
     let began = Instant::now();
-    let refused = guard.send("interactive", Script::frames(1).tokens(1)).await;
+    let refused = guard.send("interactive", frames(1).tokens(1)).await;
     assert_eq!(refused.status, 503, "{refused:?}");
     assert!(refused.body().contains("deadline_predicted"), "{refused:?}");
     assert!(refused.header("retry-after").is_some());
     assert_eq!(began.elapsed(), Duration::ZERO, "answered on arrival");
     running.await.expect("running");
     // Idle again: a short request meets the deadline.
-    let served = guard.send("interactive", Script::frames(1).tokens(1)).await;
+    let served = guard.send("interactive", frames(1).tokens(1)).await;
     assert_eq!(served.status, 200);
     assert_eq!(
         guard.count("rejected_total", &["interactive", "deadline_predicted"]),
@@ -191,10 +196,10 @@ async fn a_backlog_that_misses_the_deadline_is_refused_on_arrival() {
 async fn a_client_that_leaves_is_reaped_queued_or_running() {
     let guard = Harness::new(config(1));
     let running = guard
-        .open_stalled("batch", Script::frames(1_000).gap(10 * MS))
+        .open_stalled("batch", Script::new(Mode::Frames).frames(1_000, 10 * MS))
         .await;
     guard.until(|| guard.upstream.started() == 1).await;
-    let queued = guard.open_stalled("batch", Script::frames(1)).await;
+    let queued = guard.open_stalled("batch", frames(1)).await;
     guard
         .until(|| guard.count("queue_depth", &["batch"]) == 1)
         .await;
@@ -208,10 +213,7 @@ async fn a_client_that_leaves_is_reaped_queued_or_running() {
         .await;
     // One that leaves while the upstream has not answered yet was running too.
     let slow = guard
-        .open_stalled(
-            "batch",
-            Script::frames(1).head_after(Duration::from_secs(5)),
-        )
+        .open_stalled("batch", frames(1).head_after(Duration::from_secs(5)))
         .await;
     guard.until(|| guard.upstream.started() == 2).await;
     let left = Instant::now();
@@ -237,12 +239,10 @@ async fn a_client_that_leaves_is_reaped_queued_or_running() {
 #[tokio::test(start_paused = true)]
 async fn upstream_failures_end_once_each() {
     let guard = Harness::new(config(1));
-    let failed = guard
-        .send("batch", Script::frames(0).then(Then::Fail500))
-        .await;
+    let failed = guard.send("batch", Script::new(Mode::Fail500)).await;
     assert_eq!(failed.status, 500, "relayed as it was");
     let reset = guard
-        .send("batch", Script::frames(2).then(Then::Reset))
+        .send("batch", Script::new(Mode::Reset).frames(2, GAP))
         .await;
     assert!(
         reset
@@ -266,10 +266,10 @@ async fn the_bound_is_exact_under_a_mixed_run_and_a_lowered_limit() {
         seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
         let pick = (seed >> 33) % 6;
         let script = match pick {
-            0 => Script::frames(3).then(Then::Hang),
-            1 => Script::frames(2).then(Then::Reset),
-            2 => Script::frames(0).then(Then::Fail500),
-            _ => Script::frames(1 + round % 7),
+            0 => Script::new(Mode::Hang).frames(3, GAP),
+            1 => Script::new(Mode::Reset).frames(2, GAP),
+            2 => Script::new(Mode::Fail500),
+            _ => frames(1 + round % 7),
         };
         let class = if round % 3 == 0 {
             "interactive"
@@ -327,9 +327,7 @@ async fn the_bound_is_exact_under_a_mixed_run_and_a_lowered_limit() {
 async fn only_a_connection_whose_answer_was_one_document_is_used_again() {
     let guard = Harness::new(config(1));
     for _ in 0..3 {
-        let answer = guard
-            .send("batch", Script::frames(0).then(Then::Json))
-            .await;
+        let answer = guard.send("batch", Script::new(Mode::Complete)).await;
         assert_eq!(answer.status, 200);
     }
     assert_eq!(
@@ -338,7 +336,7 @@ async fn only_a_connection_whose_answer_was_one_document_is_used_again() {
         "one keep-alive connection served all three"
     );
     assert_eq!(guard.upstream.connections(), 1, "and is kept, idle");
-    assert_eq!(guard.send("batch", Script::frames(2)).await.status, 200);
+    assert_eq!(guard.send("batch", frames(2)).await.status, 200);
     assert_eq!(
         guard.upstream.dials(),
         1,
@@ -353,7 +351,7 @@ async fn only_a_connection_whose_answer_was_one_document_is_used_again() {
     // An idle connection is used again only while young.
     assert_eq!(
         guard
-            .send("batch", Script::frames(0).then(Then::Json))
+            .send("batch", Script::new(Mode::Complete))
             .await
             .status,
         200
@@ -361,7 +359,7 @@ async fn only_a_connection_whose_answer_was_one_document_is_used_again() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
         guard
-            .send("batch", Script::frames(0).then(Then::Json))
+            .send("batch", Script::new(Mode::Complete))
             .await
             .status,
         200

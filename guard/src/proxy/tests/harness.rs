@@ -1,34 +1,23 @@
-//! The in-process world of the proxy tests: a scripted upstream that counts the exchanges in
-//! flight (a request arrived, its answer not yet all produced, and guard has not closed the
-//! connection); clients on pipes; metrics read from their handles.
+//! The in-process world of the proxy tests: the scripted upstream on in-memory pipes, clients
+//! on pipes, metrics read from their handles.
 
 use std::{
-    convert::Infallible,
-    pin::Pin,
     sync::{
-        Arc, Mutex,
-        atomic::{AtomicU16, AtomicUsize, Ordering},
+        Arc,
+        atomic::{AtomicU16, Ordering},
     },
-    task::{Context, Poll},
     time::Duration,
 };
 
 use bytes::Bytes;
-use http::{Request, Response};
-use http_body_util::{BodyExt as _, Full, StreamBody};
-use hyper::{
-    body::{Frame, Incoming},
-    client::conn::http1 as client,
-    server::conn::http1 as server,
-    service::service_fn,
-};
+use guard_testkit::{Mode, Polling, Script, Upstream, trickle, until_with};
+use http::Request;
+use http_body_util::{BodyExt as _, Full};
+use hyper::client::conn::http1 as client;
 use hyper_util::rt::TokioIo;
-use serde::{Deserialize, Serialize};
 use tokio::{
-    io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _, DuplexStream, ReadBuf},
-    sync::mpsc,
+    io::{AsyncReadExt as _, AsyncWriteExt as _, DuplexStream},
     task::JoinHandle,
-    time::Instant,
 };
 
 use crate::{
@@ -38,289 +27,17 @@ use crate::{
     proxy::{Dial, Parts, Proxy, serve_connection},
     queue::Scheduler,
     reap::registry::Registry,
-    upstream::BoxError,
     watch::Watched,
 };
 
-/// Time between the scripted upstream's frames, unless a script says otherwise.
+/// Time between the scripted upstream's frames, unless a test says otherwise.
 pub const GAP: Duration = Duration::from_millis(20);
-/// A pipe's buffer, each way.
+/// A client pipe's buffer, each way.
 const PIPE: usize = 64 << 10;
 
-/// How the scripted upstream ends an answer after its frames.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Then {
-    #[default]
-    End,
-    /// Sends nothing more and keeps the connection open.
-    Hang,
-    /// Breaks the connection mid-answer.
-    Reset,
-    /// Answers 500 at once.
-    Fail500,
-    /// Answers 200 with one JSON document at once (no stream).
-    Json,
-}
-
-/// What the scripted upstream does for one request; sent as the request's body.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Script {
-    frames: u64,
-    gap_ms: u64,
-    frame_bytes: usize,
-    then: Then,
-    /// Time before the answer's head.
-    head_ms: u64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    max_tokens: Option<u64>,
-}
-
-impl Script {
-    pub fn frames(frames: u64) -> Self {
-        Self {
-            frames,
-            gap_ms: GAP.as_millis() as u64,
-            frame_bytes: 0,
-            then: Then::End,
-            head_ms: 0,
-            max_tokens: None,
-        }
-    }
-
-    /// Waits this long before answering at all.
-    pub fn head_after(mut self, delay: Duration) -> Self {
-        self.head_ms = delay.as_millis() as u64;
-        self
-    }
-
-    pub fn gap(mut self, gap: Duration) -> Self {
-        self.gap_ms = gap.as_millis() as u64;
-        self
-    }
-
-    pub fn sized(mut self, bytes: usize) -> Self {
-        self.frame_bytes = bytes;
-        self
-    }
-
-    pub fn then(mut self, then: Then) -> Self {
-        self.then = then;
-        self
-    }
-
-    /// Says how many tokens the request asks for (`max_tokens`), as clients do.
-    pub fn tokens(mut self, tokens: u64) -> Self {
-        self.max_tokens = Some(tokens);
-        self
-    }
-}
-
-/// The scripted upstream's view: exchanges in flight, connections, and when each began.
-#[derive(Default)]
-pub struct Upstream {
-    open: AtomicUsize,
-    peak: AtomicUsize,
-    connections: AtomicUsize,
-    dials: AtomicUsize,
-    starts: Mutex<Vec<Instant>>,
-}
-
-/// One connection's exchange state, shared by guard's end and the server's.
-#[derive(Default)]
-struct Wire {
-    in_flight: std::sync::atomic::AtomicBool,
-}
-
-impl Upstream {
-    pub fn open(&self) -> usize {
-        self.open.load(Ordering::SeqCst)
-    }
-
-    pub fn peak(&self) -> usize {
-        self.peak.load(Ordering::SeqCst)
-    }
-
-    pub fn reset_peak(&self) {
-        self.peak.store(self.open(), Ordering::SeqCst);
-    }
-
-    pub fn starts(&self) -> Vec<Instant> {
-        self.starts
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone()
-    }
-
-    pub fn started(&self) -> usize {
-        self.starts().len()
-    }
-
-    /// Connections guard holds to the upstream (idle ones included).
-    pub fn connections(&self) -> usize {
-        self.connections.load(Ordering::SeqCst)
-    }
-
-    /// Connections guard has opened in all.
-    pub fn dials(&self) -> usize {
-        self.dials.load(Ordering::SeqCst)
-    }
-
-    fn begin(&self, wire: &Wire) {
-        if !wire.in_flight.swap(true, Ordering::SeqCst) {
-            let open = self.open.fetch_add(1, Ordering::SeqCst) + 1;
-            self.peak.fetch_max(open, Ordering::SeqCst);
-        }
-    }
-
-    fn end(&self, wire: &Wire) {
-        if wire.in_flight.swap(false, Ordering::SeqCst) {
-            self.open.fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-
-    /// Opens a connection for guard, served by the scripted upstream.
-    fn connect(self: &Arc<Self>) -> Counted {
-        self.connections.fetch_add(1, Ordering::SeqCst);
-        self.dials.fetch_add(1, Ordering::SeqCst);
-        let (guard_end, server_end) = tokio::io::duplex(PIPE);
-        let wire = Arc::new(Wire::default());
-        let (upstream, served) = (Arc::clone(self), Arc::clone(&wire));
-        tokio::spawn(async move {
-            let service = service_fn(move |request| {
-                answer(Arc::clone(&upstream), Arc::clone(&served), request)
-            });
-            let _ = server::Builder::new()
-                .serve_connection(TokioIo::new(server_end), service)
-                .await;
-        });
-        Counted {
-            inner: guard_end,
-            upstream: Arc::clone(self),
-            wire,
-        }
-    }
-}
-
-/// guard's end of an upstream connection: dropping it ends any exchange on it at once.
-struct Counted {
-    inner: DuplexStream,
-    upstream: Arc<Upstream>,
-    wire: Arc<Wire>,
-}
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        self.upstream.end(&self.wire);
-        self.upstream.connections.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-impl AsyncRead for Counted {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Counted {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
-type UpstreamBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
-
-/// The scripted upstream answers one request: SSE frames, then as its script says.
-async fn answer(
-    upstream: Arc<Upstream>,
-    wire: Arc<Wire>,
-    request: Request<Incoming>,
-) -> Result<Response<UpstreamBody>, Infallible> {
-    let body = request
-        .into_body()
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
-    let script: Script = serde_json::from_slice(&body).expect("a script");
-    upstream.begin(&wire);
-    upstream
-        .starts
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .push(Instant::now());
-    tokio::time::sleep(Duration::from_millis(script.head_ms)).await;
-    if matches!(script.then, Then::Fail500 | Then::Json) {
-        let (status, text) = match script.then {
-            Then::Fail500 => (
-                http::StatusCode::INTERNAL_SERVER_ERROR,
-                "{\"error\":\"boom\"}",
-            ),
-            _ => (http::StatusCode::OK, "{\"content\":\"done\"}"),
-        };
-        let body = Full::new(Bytes::from_static(text.as_bytes()))
-            .map_err(|never| match never {})
-            .boxed();
-        let mut response = Response::new(body);
-        *response.status_mut() = status;
-        upstream.end(&wire);
-        return Ok(response);
-    }
-    let (frames, receiver) = mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
-    tokio::spawn(async move {
-        play(script, frames).await;
-        upstream.end(&wire);
-    });
-    let stream = futures_util::stream::unfold(receiver, |mut receiver| async move {
-        receiver.recv().await.map(|item| (item, receiver))
-    });
-    let mut response = Response::new(StreamBody::new(stream).boxed());
-    response.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("text/event-stream"),
-    );
-    Ok(response)
-}
-
-async fn play(script: Script, frames: mpsc::Sender<Result<Frame<Bytes>, BoxError>>) {
-    let gap = Duration::from_millis(script.gap_ms);
-    for index in 0..script.frames {
-        tokio::time::sleep(gap).await;
-        let mut event = format!("data: {{\"i\":{index}}}");
-        if event.len() < script.frame_bytes {
-            event.push_str(&" ".repeat(script.frame_bytes - event.len()));
-        }
-        event.push_str("\n\n");
-        if frames
-            .send(Ok(Frame::data(Bytes::from(event))))
-            .await
-            .is_err()
-        {
-            return;
-        }
-    }
-    match script.then {
-        Then::End | Then::Fail500 | Then::Json => {}
-        Then::Hang => frames.closed().await,
-        Then::Reset => {
-            let _ = frames.send(Err("reset by the script".into())).await;
-        }
-    }
+/// A plain stream of `count` frames, [`GAP`] apart.
+pub fn frames(count: u64) -> Script {
+    Script::new(Mode::Frames).frames(count, GAP)
 }
 
 /// A client that never reads its answer.
@@ -354,7 +71,7 @@ pub struct Harness {
     pub proxy: Arc<Proxy>,
     pub metrics: Metrics,
     pub scheduler: Arc<Scheduler>,
-    pub upstream: Arc<Upstream>,
+    pub upstream: Upstream,
     next_port: AtomicU16,
 }
 
@@ -362,9 +79,9 @@ impl Harness {
     pub fn new(config: Config) -> Self {
         let metrics = Metrics::new();
         let scheduler = Scheduler::new(&config, metrics.clone());
-        let upstream = Arc::new(Upstream::default());
+        let upstream = Upstream::in_memory();
         let connect = {
-            let upstream = Arc::clone(&upstream);
+            let upstream = upstream.clone();
             Arc::new(move || Box::new(upstream.connect()) as Box<dyn crate::upstream::exchange::Io>)
         };
         let parts = Parts {
@@ -478,14 +195,7 @@ impl Harness {
             "POST /v1/chat/completions HTTP/1.1\r\nhost: guard\r\nx-guard-class: {class}\r\ncontent-length: {bytes}\r\n\r\n"
         );
         writer.write_all(head.as_bytes()).await.expect("head");
-        let trickling = tokio::spawn(async move {
-            for _ in 0..bytes {
-                if writer.write_all(b" ").await.is_err() {
-                    return;
-                }
-                tokio::time::sleep(every).await;
-            }
-        });
+        let trickling = trickle(writer, vec![b' '; bytes], every);
         let mut seen = Vec::new();
         let mut buffer = [0u8; 1024];
         while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -509,22 +219,9 @@ impl Harness {
         }
     }
 
-    /// Lets the world run, in virtual time, until `condition` holds (at most two minutes).
+    /// Lets the world run, in virtual time, until `condition` holds.
     pub async fn until(&self, condition: impl Fn() -> bool) {
-        let started = Instant::now();
-        while !condition() {
-            for _ in 0..64 {
-                tokio::task::yield_now().await;
-                if condition() {
-                    return;
-                }
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(120),
-                "the condition never held"
-            );
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        until_with(Polling::PAUSED, "the condition", async || condition()).await;
     }
 
     /// Waits until nothing waits, runs, or has an exchange at the upstream.
