@@ -226,6 +226,50 @@ async fn headers_named_in_connection_never_reach_the_upstream() {
     }
 }
 
+/// `CONNECT` asks for a tunnel and `TRACE` echoes credentials: guard answers both itself (405
+/// with `Allow`, in the API's error shape, the connection closed), never the upstream, in any
+/// of the forms a request target can take, and counts each as invalid.
+#[tokio::test(flavor = "multi_thread")]
+async fn connect_and_trace_are_answered_by_guard_never_forwarded() {
+    let _serial = serial().await;
+    let upstream = Upstream::start().await;
+    let guard = GuardProcess::start(upstream.addr(), "openai", "");
+    let upstream_host = upstream.addr().to_string();
+    let requests = [
+        format!("CONNECT {upstream_host} HTTP/1.1\r\nHost: {upstream_host}\r\n\r\n"),
+        "CONNECT /v1/chat/completions HTTP/1.1\r\nHost: guard\r\n\r\n".to_owned(),
+        "TRACE /v1/models HTTP/1.1\r\nHost: guard\r\nAuthorization: Bearer s3cret\r\n\r\n"
+            .to_owned(),
+    ];
+    for request in &requests {
+        let answer = http::raw(guard.listen, request.as_bytes()).await;
+        let lower = answer.to_ascii_lowercase();
+        assert!(
+            answer.starts_with("HTTP/1.1 405"),
+            "{request:?} -> {answer}"
+        );
+        assert!(lower.contains("\r\nallow: get, head, post"), "{answer}");
+        assert!(lower.contains("\r\nconnection: close"), "{answer}");
+        assert!(answer.contains("method_not_allowed"), "{answer}");
+        assert!(
+            !answer.contains("s3cret"),
+            "nothing of the request echoed: {answer}"
+        );
+    }
+    assert!(
+        upstream.heads().is_empty(),
+        "forwarded: {:?}",
+        upstream.heads()
+    );
+    let invalid = "guard_invalid_requests_total{reason=\"method\"}";
+    assert_eq!(guard.metric(invalid).await, requests.len() as f64);
+    // The listener serves on: an ordinary request still goes through.
+    let passed = http::send(guard.listen, "GET", "/v1/models", &[], Default::default())
+        .await
+        .expect("passes through");
+    assert_eq!(passed.status, 200);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_empty_file_on_sighup_keeps_the_rules() {
     let _serial = serial().await;

@@ -40,6 +40,14 @@ impl<L: Labels, P: MetricVecBuilder + 'static> Family<L, MetricVec<P>> {
         L::with(values, |values| self.vec.with_label_values(values))
     }
 
+    /// The series of `values` in the order of the label set's names: for tests, which name
+    /// many families' series in one table.
+    #[cfg(test)]
+    pub fn at(&self, values: &[&str]) -> P::M {
+        assert_eq!(values.len(), L::NAMES.len(), "the labels {:?}", L::NAMES);
+        self.vec.with_label_values(values)
+    }
+
     /// Removes the series of `values`, if it exists.
     pub fn remove(&self, values: &L::Values<'_>) {
         // Absent is fine: there is nothing to remove.

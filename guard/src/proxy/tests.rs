@@ -9,7 +9,7 @@ use guard_testkit::{Mode, Script};
 use harness::{GAP, Harness, frames};
 use tokio::time::Instant;
 
-use crate::config::{ClassConfig, Config};
+use crate::config::{Api, ClassConfig, Config, Preemptible};
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -156,6 +156,63 @@ async fn max_duration_ends_a_request_waiting_or_running() {
     );
     guard.settle().await;
     assert_eq!(guard.upstream.open(), 0);
+    guard.assert_invariant();
+}
+
+/// A preemptible class whose client reads nothing, with a stall limit far away.
+fn stalled_preemptible(change: impl FnOnce(&mut ClassConfig)) -> Config {
+    let mut config = with_class(1, "batch", |class| {
+        class.preemptible = Preemptible::Yes;
+        class.client_stall_ms = 60_000;
+        change(class);
+    });
+    // Ollama's API: a preemptible chat goes on from its text (no exact resume to prepare).
+    config.upstream.api = Api::Ollama;
+    config
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_preemptible_stream_whose_client_stops_reading_is_still_preempted_at_once() {
+    let guard = Harness::new(stalled_preemptible(|_| {}));
+    let flood = Script::new(Mode::Flood).sized(1_024);
+    let stalled = guard.open_stalled_chat("batch", flood).await;
+    guard.until(|| guard.upstream.started() == 1).await;
+    // Its pipe fills at once (no time passes in memory): by the time the paused clock moves
+    // on, every task has run until it waits, and guard holds a frame it cannot hand over.
+    tokio::time::sleep(100 * MS).await;
+    let arrived = Instant::now();
+    let chat = guard.spawn("interactive", frames(2));
+    guard.until(|| guard.upstream.started() == 2).await;
+    assert!(
+        arrived.elapsed() < 10 * MS,
+        "the chat reached the upstream {:?} after it came, not at once",
+        arrived.elapsed()
+    );
+    assert_eq!(chat.await.expect("chat").status, 200);
+    assert_eq!(
+        guard.count("timed_out_total", &["batch", "client_stall"]),
+        0
+    );
+    guard.leave(&stalled);
+    guard.settle().await;
+    assert_eq!(guard.outcomes("batch"), [("reaped", 1)]);
+    guard.assert_invariant();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_preemptible_stream_whose_client_stops_reading_ends_at_max_duration() {
+    let guard = Harness::new(stalled_preemptible(|class| {
+        class.max_duration_ms = Some(5_000);
+    }));
+    let arrived = Instant::now();
+    let flood = Script::new(Mode::Flood).sized(1_024);
+    let _stalled = guard.open_stalled_chat("batch", flood).await;
+    let timed_out = || guard.count("timed_out_total", &["batch", "max_duration"]) == 1;
+    guard.until(timed_out).await;
+    assert_eq!(arrived.elapsed(), 5_000 * MS, "exactly max_duration_ms");
+    guard.settle().await;
+    assert_eq!(guard.upstream.open(), 0, "the exchange is closed");
+    assert_eq!(guard.scheduler.load(), (0, 0), "the permit is back");
     guard.assert_invariant();
 }
 

@@ -125,7 +125,12 @@ impl Harness {
     }
 
     fn request(class: &str, script: &Script) -> Request<Full<Bytes>> {
-        let body = serde_json::to_vec(script).expect("script");
+        Self::request_json(class, &script.json())
+    }
+
+    /// A request whose body is `body`: a script, with whatever else a client would send.
+    fn request_json(class: &str, body: &serde_json::Value) -> Request<Full<Bytes>> {
+        let body = serde_json::to_vec(body).expect("a JSON body");
         Request::post("/v1/chat/completions")
             .header("host", "guard")
             .header("content-type", "application/json")
@@ -163,8 +168,21 @@ impl Harness {
 
     /// A client that sends its request, takes the response head and never reads the body.
     pub async fn open_stalled(&self, class: &str, script: Script) -> Stalled {
+        self.open_stalled_json(class, &script.json()).await
+    }
+
+    /// A chat client that asks for a stream (so a preemptible class can stop and go on with
+    /// it), takes the response head and never reads the body.
+    pub async fn open_stalled_chat(&self, class: &str, script: Script) -> Stalled {
+        let mut body = script.json();
+        body["stream"] = serde_json::json!(true);
+        body["messages"] = serde_json::json!([{ "role": "user", "content": "go on" }]);
+        self.open_stalled_json(class, &body).await
+    }
+
+    async fn open_stalled_json(&self, class: &str, body: &serde_json::Value) -> Stalled {
         let (io, peer) = self.client_at(4 << 10);
-        let request = Self::request(class, &script);
+        let request = Self::request_json(class, body);
         let task = tokio::spawn(async move {
             let (mut sender, connection) = client::handshake(TokioIo::new(io))
                 .await
@@ -238,19 +256,16 @@ impl Harness {
     pub fn count(&self, name: &str, labels: &[&str]) -> u64 {
         let m = &self.metrics;
         match name {
-            "requests_total" => m.requests_total.with_label_values(labels).get(),
-            "admitted_total" => m.admitted_total.with_label_values(labels).get(),
-            "rejected_total" => m.rejected_total.with_label_values(labels).get(),
-            "rejected_after_queueing_total" => m
-                .rejected_after_queueing_total
-                .with_label_values(labels)
-                .get(),
-            "reaped_total" => m.reaped_total.with_label_values(labels).get(),
-            "failed_total" => m.failed_total.with_label_values(labels).get(),
-            "timed_out_total" => m.timed_out_total.with_label_values(labels).get(),
-            "invalid_requests_total" => m.invalid_requests_total.with_label_values(labels).get(),
-            "queue_depth" => m.queue_depth.with_label_values(labels).get() as u64,
-            "inflight" => m.inflight.with_label_values(labels).get() as u64,
+            "requests_total" => m.requests_total.at(labels).get(),
+            "admitted_total" => m.admitted_total.at(labels).get(),
+            "rejected_total" => m.rejected_total.at(labels).get(),
+            "rejected_after_queueing_total" => m.rejected_after_queueing_total.at(labels).get(),
+            "reaped_total" => m.reaped_total.at(labels).get(),
+            "failed_total" => m.failed_total.at(labels).get(),
+            "timed_out_total" => m.timed_out_total.at(labels).get(),
+            "invalid_requests_total" => m.invalid_requests_total.at(labels).get(),
+            "queue_depth" => m.queue_depth.at(labels).get() as u64,
+            "inflight" => m.inflight.at(labels).get() as u64,
             other => panic!("no metric {other} in the harness"),
         }
     }
