@@ -3,7 +3,10 @@
 //! against the Ollama emulator (Ollama cannot be installed here), and due, compare and report
 //! on fixture entries.
 
-use std::{path::Path, process::Command};
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use guard_tests::{
     TempDir, guard_bin, serial,
@@ -31,27 +34,38 @@ fn bench(args: &[&str], logbook: &Path) -> Entry {
     entries.last().cloned().expect("an entry")
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn a_baseline_against_llama_server_records_every_field() {
-    let _serial = serial().await;
-    let llama = LlamaServer::start(1).await;
-    let dir = TempDir::new("guard-logbook-llama");
-    let input = dir.0.join("set.jsonl");
-    std::fs::write(
-        &input,
-        "{\"prompt\": \"Say hello.\"}\n{\"prompt\": \"Count to three.\", \"expect\": \"^PLANTED-FAILURE$\"}\n",
-    )
-    .expect("write inputs");
-    let logbook = dir.0.join("logbook.jsonl");
-    let url = format!("http://{}", llama.addr);
-    // A baseline of the set against llama-server, run `repeat` times for `tokens` tokens.
-    let baseline = |repeat: &str, tokens: &str| {
-        let input = input.to_str().expect("utf-8");
+/// A two-prompt set (the second with a planted quality failure) measured against llama-server,
+/// each baseline appended to one logbook.
+struct Baseline {
+    input: PathBuf,
+    url: String,
+    logbook: PathBuf,
+}
+
+impl Baseline {
+    /// Writes the set under `dir`, for the llama-server at `addr`.
+    fn new(dir: &TempDir, addr: std::net::SocketAddr) -> Self {
+        let input = dir.0.join("set.jsonl");
+        std::fs::write(
+            &input,
+            "{\"prompt\": \"Say hello.\"}\n{\"prompt\": \"Count to three.\", \"expect\": \"^PLANTED-FAILURE$\"}\n",
+        )
+        .expect("write inputs");
+        Self {
+            input,
+            url: format!("http://{addr}"),
+            logbook: dir.0.join("logbook.jsonl"),
+        }
+    }
+
+    /// A baseline of the set against llama-server, run `repeat` times for `tokens` tokens.
+    fn run(&self, repeat: &str, tokens: &str) -> Entry {
+        let input = self.input.to_str().expect("utf-8");
         let args = [
             "--input",
             input,
             "--url",
-            &url,
+            &self.url,
             "--api",
             "openai",
             "--model",
@@ -63,9 +77,12 @@ async fn a_baseline_against_llama_server_records_every_field() {
             "--max-tokens",
             tokens,
         ];
-        bench(&args, &logbook)
-    };
-    let entry = baseline("2", "16");
+        bench(&args, &self.logbook)
+    }
+}
+
+/// What the entry says was measured: the set, its runs and what ran it.
+fn assert_recorded_setup(entry: &Entry) {
     assert_eq!(
         entry.quality_failures, 2,
         "the planted failure, caught in both runs"
@@ -85,9 +102,10 @@ async fn a_baseline_against_llama_server_records_every_field() {
     assert_ne!(entry.runtime_version, "unknown");
     assert_eq!(entry.input_set.inputs, 2);
     assert_eq!(entry.input_set.sha256.len(), 64);
-    // The hash is of the file: the same set measured again carries the same hash.
-    let again = baseline("1", "4");
-    assert_eq!(again.input_set.sha256, entry.input_set.sha256);
+}
+
+/// The entry's measurements, those unavailable here said so, and its retest date.
+fn assert_measured(entry: &Entry) {
     assert!(entry.ttft_ms.p50 > 0.0 && entry.completion_ms.p95 >= entry.ttft_ms.p95);
     assert!(entry.decode_tokens_per_second.p50 > 0.0);
     assert!(
@@ -109,7 +127,11 @@ async fn a_baseline_against_llama_server_records_every_field() {
         entry.retest_date,
         guard_tools::logbook::date_after(jiff::Timestamp::now(), 30)
     );
-    let line = std::fs::read_to_string(&logbook).expect("logbook");
+}
+
+/// The logbook's text names every field, and energy as unavailable.
+fn assert_every_field_logged(logbook: &Path) {
+    let line = std::fs::read_to_string(logbook).expect("logbook");
     for field in [
         "command",
         "model_digest",
@@ -132,6 +154,21 @@ async fn a_baseline_against_llama_server_records_every_field() {
         line.contains("\"energy_joules\":\"unavailable\""),
         "no RAPL or NVML here: {line}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_baseline_against_llama_server_records_every_field() {
+    let _serial = serial().await;
+    let llama = LlamaServer::start(1).await;
+    let dir = TempDir::new("guard-logbook-llama");
+    let baseline = Baseline::new(&dir, llama.addr);
+    let entry = baseline.run("2", "16");
+    assert_recorded_setup(&entry);
+    // The hash is of the file: the same set measured again carries the same hash.
+    let again = baseline.run("1", "4");
+    assert_eq!(again.input_set.sha256, entry.input_set.sha256);
+    assert_measured(&entry);
+    assert_every_field_logged(&baseline.logbook);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -198,50 +198,46 @@ fn first_span(attrs: &[syn::Attribute], sig: &syn::Signature) -> Span {
         .map_or(sig.fn_token.span, |attr| attr.pound_token.span)
 }
 
+impl Finder<'_> {
+    /// Notes a function whose body closes at `end`, then visits inside it, where functions
+    /// belong to no impl.
+    fn function(
+        &mut self,
+        attrs: &[syn::Attribute],
+        sig: &syn::Signature,
+        end: Option<Span>,
+        inside: impl FnOnce(&mut Self),
+    ) {
+        if let Some(end) = end {
+            let first = first_span(attrs, sig);
+            self.note(sig.ident.to_string(), first, sig.fn_token.span, end);
+        }
+        let owners = std::mem::take(&mut self.owner);
+        inside(self);
+        self.owner = owners;
+    }
+}
+
 impl<'ast> Visit<'ast> for Finder<'_> {
     fn visit_item_fn(&mut self, item: &'ast syn::ItemFn) {
-        let first = first_span(&item.attrs, &item.sig);
-        let end = item.block.brace_token.span.close();
-        self.note(
-            item.sig.ident.to_string(),
-            first,
-            item.sig.fn_token.span,
-            end,
-        );
-        // Functions inside belong to no impl.
-        let owners = std::mem::take(&mut self.owner);
-        syn::visit::visit_item_fn(self, item);
-        self.owner = owners;
+        let end = Some(item.block.brace_token.span.close());
+        self.function(&item.attrs, &item.sig, end, |finder| {
+            syn::visit::visit_item_fn(finder, item);
+        });
     }
 
     fn visit_impl_item_fn(&mut self, item: &'ast syn::ImplItemFn) {
-        let first = first_span(&item.attrs, &item.sig);
-        let end = item.block.brace_token.span.close();
-        self.note(
-            item.sig.ident.to_string(),
-            first,
-            item.sig.fn_token.span,
-            end,
-        );
-        let owners = std::mem::take(&mut self.owner);
-        syn::visit::visit_impl_item_fn(self, item);
-        self.owner = owners;
+        let end = Some(item.block.brace_token.span.close());
+        self.function(&item.attrs, &item.sig, end, |finder| {
+            syn::visit::visit_impl_item_fn(finder, item);
+        });
     }
 
     fn visit_trait_item_fn(&mut self, item: &'ast syn::TraitItemFn) {
-        if let Some(body) = &item.default {
-            let first = first_span(&item.attrs, &item.sig);
-            let end = body.brace_token.span.close();
-            self.note(
-                item.sig.ident.to_string(),
-                first,
-                item.sig.fn_token.span,
-                end,
-            );
-        }
-        let owners = std::mem::take(&mut self.owner);
-        syn::visit::visit_trait_item_fn(self, item);
-        self.owner = owners;
+        let end = item.default.as_ref().map(|body| body.brace_token.span.close());
+        self.function(&item.attrs, &item.sig, end, |finder| {
+            syn::visit::visit_trait_item_fn(finder, item);
+        });
     }
 
     fn visit_item_impl(&mut self, item: &'ast syn::ItemImpl) {
