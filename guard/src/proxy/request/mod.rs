@@ -345,7 +345,14 @@ impl QueuedRequest {
         // The pace guard saw, for servers that do not say their own decode rate.
         let pace = self.place.permit().and_then(|p| p.progress().pace());
         self.free_upstream(outcome == Outcome::Completed);
+        // Recorded before the client is told: whoever reads the metrics after the answer
+        // ends finds it counted.
+        self.record(&outcome, stage, pace.map(|(_, per_token)| per_token));
         self.tell_client(&outcome, answer);
+    }
+
+    /// The one hook at the end: the outcome, its timings and the job, written once.
+    fn record(&self, outcome: &Outcome, stage: Stage, per_token: Option<Duration>) {
         let elapsed = self.arrived.elapsed();
         let queue_wait = match stage {
             Stage::Arrival => None,
@@ -366,7 +373,7 @@ impl QueuedRequest {
                 ttft: self.ttft,
                 gone_at: self.connection.gone_at(),
                 now_monotonic: monotonic_now(),
-                job: self.job(&outcome, pace.map(|(_, per_token)| per_token), &usage),
+                job: self.job(outcome, per_token, &usage),
             },
         );
     }
