@@ -157,13 +157,9 @@ async fn interactive_preempts_batch_which_goes_on_where_it_stopped() {
     );
 }
 
-/// guard's token counts are the server's own; a job the server stops halfway is not a job done.
-#[tokio::test(flavor = "multi_thread")]
-async fn tokens_are_the_servers_own_count_and_a_cut_job_is_invalid() {
-    let _serial = serial().await;
-    let mut llama = LlamaServer::start(1).await;
-    let guard = GuardProcess::start(llama.addr, "openai", CONFIG);
-    let before = llama.metric("tokens_predicted_total").await;
+/// Five answers about the sea through guard, each whole: three interactive (a whole chat, a
+/// streamed chat, llama-server's `/completion`) and two batch (whole and streamed).
+async fn ask_about_the_sea(addr: std::net::SocketAddr) {
     let sea = |stream: bool, tokens: u64| {
         chat("Tell me about the sea.")
             .with("max_tokens", tokens)
@@ -171,50 +167,38 @@ async fn tokens_are_the_servers_own_count_and_a_cut_job_is_invalid() {
     };
     let batch = [("x-guard-class", "batch")];
     assert_eq!(
-        post(guard.listen, "/v1/chat/completions", &[], &sea(false, 7))
+        post(addr, "/v1/chat/completions", &[], &sea(false, 7))
             .await
             .status,
         200
     );
     assert_eq!(
-        post_streamed(guard.listen, "/v1/chat/completions", &[], &sea(true, 9))
+        post_streamed(addr, "/v1/chat/completions", &[], &sea(true, 9))
             .await
             .status,
         200
     );
     let the_sea_is = json!({ "prompt": "The sea is", "n_predict": 11 });
     assert_eq!(
-        post(guard.listen, "/completion", &[], &the_sea_is)
+        post(addr, "/completion", &[], &the_sea_is).await.status,
+        200
+    );
+    assert_eq!(
+        post(addr, "/v1/chat/completions", &batch, &sea(false, 5))
             .await
             .status,
         200
     );
     assert_eq!(
-        post(guard.listen, "/v1/chat/completions", &batch, &sea(false, 5))
+        post_streamed(addr, "/v1/chat/completions", &batch, &sea(true, 6))
             .await
             .status,
         200
     );
-    assert_eq!(
-        post_streamed(guard.listen, "/v1/chat/completions", &batch, &sea(true, 6))
-            .await
-            .status,
-        200
-    );
-    let served = llama.metric("tokens_predicted_total").await - before;
-    let text = guard.metrics_text().await;
-    let m = |series: &str| guard_tests::metric(&text, series).unwrap_or(0.0);
-    let counted = m("guard_tokens_total{class=\"interactive\",kind=\"generated\"}")
-        + m("guard_tokens_total{class=\"batch\",kind=\"generated\"}");
-    assert_eq!(counted, served, "guard counts what llama-server generated");
-    assert_eq!(
-        m("guard_jobs_total{class=\"interactive\",result=\"valid\"}"),
-        3.0
-    );
-    assert_eq!(m("guard_jobs_total{class=\"batch\",result=\"valid\"}"), 2.0);
-    assert!(m("guard_generation_tokens_per_second_count{class=\"interactive\"}") >= 3.0);
+}
 
-    // The server dies halfway through a long answer: that job is invalid.
+/// The server dies halfway through a long interactive answer: guard counts that job invalid.
+async fn a_job_cut_halfway_is_invalid(guard: &GuardProcess, llama: &mut LlamaServer) {
     let long = completion("Write a long story.", 2000).with("stream", true);
     let (response, _sender, _connection) =
         guard_tests::http::open_post(guard.listen, "/completion", &[], &long)
@@ -232,6 +216,31 @@ async fn tokens_are_the_servers_own_count_and_a_cut_job_is_invalid() {
             1.0,
         )
         .await;
+}
+
+/// guard's token counts are the server's own; a job the server stops halfway is not a job done.
+#[tokio::test(flavor = "multi_thread")]
+async fn tokens_are_the_servers_own_count_and_a_cut_job_is_invalid() {
+    let _serial = serial().await;
+    let mut llama = LlamaServer::start(1).await;
+    let guard = GuardProcess::start(llama.addr, "openai", CONFIG);
+    let before = llama.metric("tokens_predicted_total").await;
+    ask_about_the_sea(guard.listen).await;
+    let served = llama.metric("tokens_predicted_total").await - before;
+    let text = guard.metrics_text().await;
+    let m = |series: &str| guard_tests::metric(&text, series).unwrap_or(0.0);
+    let counted = m("guard_tokens_total{class=\"interactive\",kind=\"generated\"}")
+        + m("guard_tokens_total{class=\"batch\",kind=\"generated\"}");
+    assert_eq!(counted, served, "guard counts what llama-server generated");
+    assert_eq!(
+        m("guard_jobs_total{class=\"interactive\",result=\"valid\"}"),
+        3.0
+    );
+    assert_eq!(m("guard_jobs_total{class=\"batch\",result=\"valid\"}"), 2.0);
+    assert!(m("guard_generation_tokens_per_second_count{class=\"interactive\"}") >= 3.0);
+
+    // The server dies halfway through a long answer: that job is invalid.
+    a_job_cut_halfway_is_invalid(&guard, &mut llama).await;
 }
 
 /// Two flows in one class (`fair_by`): fifty jobs of one tenant queued, then five of another;
@@ -492,9 +501,7 @@ async fn running_batch_job(
 #[tokio::test(flavor = "multi_thread")]
 async fn a_preempted_answer_is_byte_for_byte_the_unpreempted_one() {
     let _serial = serial().await;
-    let batch = [("x-guard-class", "batch")];
     let chat = say_hi();
-    let m = |text: &str, series: &str| guard_tests::metric(text, series).unwrap_or(0.0);
     let mut n = 0;
     let only = std::env::var("GUARD_TEST_SHAPE").ok();
     for shape in Job::shapes() {
@@ -504,85 +511,93 @@ async fn a_preempted_answer_is_byte_for_byte_the_unpreempted_one() {
         for at in [At::Prompt, At::Early, At::Late] {
             n += 1;
             let job = shape.variant(n, matches!(at, At::Prompt));
-            let (llama, reference) = tokio::join!(LlamaServer::start(1), LlamaServer::start(1));
-            let guard = GuardProcess::start(llama.addr, "openai", EXACT);
-            let straight = job.send(reference.addr, &[]).await;
-            let length = reference.metric("tokens_predicted_total").await as u64;
-            let text = guard.metrics_text().await;
-            let before = (
-                llama.metric("prompt_tokens_total").await,
-                m(&text, "guard_preempted_total{class=\"batch\"}"),
-                m(
-                    &text,
-                    "guard_preempt_resumes_total{class=\"batch\",kind=\"exact\"}",
-                ),
-                m(&text, "guard_preempt_reread_tokens_total{class=\"batch\"}"),
-                m(
-                    &text,
-                    "guard_prompt_tokens_total{class=\"batch\",source=\"computed\"}",
-                ) + m(
-                    &text,
-                    "guard_prompt_tokens_total{class=\"interactive\",source=\"computed\"}",
-                ),
-            );
-            let running = {
-                let (addr, job) = (guard.listen, job.variant_of_itself());
-                tokio::spawn(async move { job.send(addr, &batch).await })
-            };
-            guard
-                .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
-                .await;
-            match at {
-                At::Prompt => {}
-                At::Early => decoded(llama.addr, 3).await,
-                At::Late => decoded(llama.addr, length * 2 / 3).await,
-            }
-            let answered = post_streamed(guard.listen, "/v1/chat/completions", &[], &chat).await;
-            assert_eq!(answered.status, 200);
-            let through = running.await.expect("batch job");
-            let what = format!("{} at {at:?}", job.path);
-            assert_eq!(through.0, 200, "{what}");
-            if through.1 != straight.1 {
-                let (ours, theirs): (Vec<_>, Vec<_>) =
-                    (through.1.lines().collect(), straight.1.lines().collect());
-                let at = ours.iter().zip(&theirs).position(|(a, b)| a != b);
-                let line = |lines: &[&str], n: Option<usize>| {
-                    n.and_then(|n| lines.get(n)).map(|l| l.to_string())
-                };
-                panic!(
-                    "{what}: the answer differs at event {at:?} of {} (straight {}):\n  through guard: {:?}\n  straight:      {:?}",
-                    ours.len(),
-                    theirs.len(),
-                    line(&ours, at),
-                    line(&theirs, at),
-                );
-            }
-            let text = guard.metrics_text().await;
-            let preempted = m(&text, "guard_preempted_total{class=\"batch\"}") - before.1;
-            let exact = m(
-                &text,
-                "guard_preempt_resumes_total{class=\"batch\",kind=\"exact\"}",
-            ) - before.2;
-            assert_eq!((preempted, exact), (1.0, 1.0), "{what}: one exact resume");
-            let reread = m(&text, "guard_preempt_reread_tokens_total{class=\"batch\"}") - before.3;
-            assert!(reread <= 16.0, "{what}: {reread} tokens read again");
-            // guard's counts are llama-server's own: what it read in all is the job's prompt,
-            // the chat's, what the resume read again and any padding, each as guard counted
-            // it.
-            let read = llama.metric("prompt_tokens_total").await - before.0;
-            let counted = m(
-                &text,
-                "guard_prompt_tokens_total{class=\"batch\",source=\"computed\"}",
-            ) + m(
-                &text,
-                "guard_prompt_tokens_total{class=\"interactive\",source=\"computed\"}",
-            ) - before.4;
-            assert_eq!(
-                read, counted,
-                "{what}: llama-server read {read}, guard counted {counted}"
-            );
-            eprintln!("{what}: {reread} prompt tokens read again");
+            preempt_and_compare(&job, at, &chat).await;
         }
+    }
+}
+
+/// One run of [`a_preempted_answer_is_byte_for_byte_the_unpreempted_one`]: `job` straight to a
+/// fresh llama-server, then through guard in front of another, preempted `at` by `chat`.
+async fn preempt_and_compare(job: &Job, at: At, chat: &serde_json::Value) {
+    let batch = [("x-guard-class", "batch")];
+    let (llama, reference) = tokio::join!(LlamaServer::start(1), LlamaServer::start(1));
+    let guard = GuardProcess::start(llama.addr, "openai", EXACT);
+    let straight = job.send(reference.addr, &[]).await;
+    let length = reference.metric("tokens_predicted_total").await as u64;
+    let before = Preemptions::of(&guard.metrics_text().await);
+    let read_before = llama.metric("prompt_tokens_total").await;
+    let running = {
+        let (addr, job) = (guard.listen, job.variant_of_itself());
+        tokio::spawn(async move { job.send(addr, &batch).await })
+    };
+    guard
+        .wait_for_metric("guard_inflight{class=\"batch\"}", 1.0)
+        .await;
+    match at {
+        At::Prompt => {}
+        At::Early => decoded(llama.addr, 3).await,
+        At::Late => decoded(llama.addr, length * 2 / 3).await,
+    }
+    let answered = post_streamed(guard.listen, "/v1/chat/completions", &[], chat).await;
+    assert_eq!(answered.status, 200);
+    let through = running.await.expect("batch job");
+    let what = format!("{} at {at:?}", job.path);
+    assert_eq!(through.0, 200, "{what}");
+    assert_same_answer(&what, &through.1, &straight.1);
+    let after = Preemptions::of(&guard.metrics_text().await);
+    let preempted = after.preempted - before.preempted;
+    let exact = after.exact - before.exact;
+    assert_eq!((preempted, exact), (1.0, 1.0), "{what}: one exact resume");
+    let reread = after.reread - before.reread;
+    assert!(reread <= 16.0, "{what}: {reread} tokens read again");
+    // guard's counts are llama-server's own: what it read in all is the job's prompt, the
+    // chat's, what the resume read again and any padding, each as guard counted it.
+    let read = llama.metric("prompt_tokens_total").await - read_before;
+    let counted = after.counted - before.counted;
+    assert_eq!(
+        read, counted,
+        "{what}: llama-server read {read}, guard counted {counted}"
+    );
+    eprintln!("{what}: {reread} prompt tokens read again");
+}
+
+/// guard's batch preemption counts and the prompt tokens it counted computed, from its metrics.
+struct Preemptions {
+    preempted: f64,
+    exact: f64,
+    reread: f64,
+    /// Prompt tokens computed, batch and interactive together.
+    counted: f64,
+}
+
+impl Preemptions {
+    fn of(text: &str) -> Self {
+        let m = |series: &str| guard_tests::metric(text, series).unwrap_or(0.0);
+        Self {
+            preempted: m("guard_preempted_total{class=\"batch\"}"),
+            exact: m("guard_preempt_resumes_total{class=\"batch\",kind=\"exact\"}"),
+            reread: m("guard_preempt_reread_tokens_total{class=\"batch\"}"),
+            counted: m("guard_prompt_tokens_total{class=\"batch\",source=\"computed\"}")
+                + m("guard_prompt_tokens_total{class=\"interactive\",source=\"computed\"}"),
+        }
+    }
+}
+
+/// Panics, saying at which event, where the answer through guard differs from the straight one.
+fn assert_same_answer(what: &str, through: &str, straight: &str) {
+    if through != straight {
+        let (ours, theirs): (Vec<_>, Vec<_>) =
+            (through.lines().collect(), straight.lines().collect());
+        let at = ours.iter().zip(&theirs).position(|(a, b)| a != b);
+        let line =
+            |lines: &[&str], n: Option<usize>| n.and_then(|n| lines.get(n)).map(|l| l.to_string());
+        panic!(
+            "{what}: the answer differs at event {at:?} of {} (straight {}):\n  through guard: {:?}\n  straight:      {:?}",
+            ours.len(),
+            theirs.len(),
+            line(&ours, at),
+            line(&theirs, at),
+        );
     }
 }
 
