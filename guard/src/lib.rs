@@ -4,6 +4,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod access;
 pub mod classify;
 pub mod cluster;
 pub mod config;

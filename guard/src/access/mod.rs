@@ -1,0 +1,23 @@
+//! The access log: one JSON line per request, queued or passed through, written when it
+//! concludes, off the request path (docs/design.md §7a).
+
+mod record;
+mod writer;
+
+pub use record::{Identity, Record, Tokens};
+pub use writer::{AccessLog, OpenError};
+
+/// A request's id: 16 hex digits, unique in this process and unlikely across restarts.
+pub fn request_id() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    static START: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        // The start's microseconds in the high bits: ids of different runs differ.
+        (now.as_micros() as u64) << 24
+    });
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("{:016x}", START.wrapping_add(n))
+}

@@ -1,0 +1,231 @@
+//! The access log's writer: a thread of its own behind a bounded channel, so that a slow or
+//! full disk never delays a request. A line that cannot be queued or written is counted, not
+//! waited for. `reopen` (SIGUSR1) opens the path anew, for logrotate.
+
+use std::{
+    fs::{File, OpenOptions},
+    io::Write as _,
+    os::unix::fs::OpenOptionsExt as _,
+    path::{Path, PathBuf},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+        mpsc::{self, RecvTimeoutError, SyncSender, TrySendError},
+    },
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use prometheus::IntCounter;
+
+use super::Record;
+
+/// Records waiting for the disk, at most.
+const DEPTH: usize = 4_096;
+/// How long the writer waits for a record before it looks for a reopen.
+const IDLE: Duration = Duration::from_millis(200);
+/// Lines written in one go, at most.
+const BATCH: usize = 256;
+
+/// What the writer thread is sent.
+enum Message {
+    Line(Box<Record>),
+    /// Write what came before, then stop.
+    Close,
+}
+
+/// Why the access log could not be opened.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot open the access log {}", path.display())]
+pub struct OpenError {
+    pub path: PathBuf,
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Where the lines go.
+enum Sink {
+    Stdout,
+    File(PathBuf),
+}
+
+impl Sink {
+    fn open(&self) -> std::io::Result<Box<dyn std::io::Write + Send>> {
+        match self {
+            Self::Stdout => Ok(Box::new(std::io::stdout())),
+            Self::File(path) => Ok(Box::new(open_file(path)?)),
+        }
+    }
+}
+
+/// Appends, creating the file readable by its group only (0640).
+fn open_file(path: &Path) -> std::io::Result<File> {
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o640)
+        .open(path)
+}
+
+/// The request path's end of the access log; cheap to clone.
+#[derive(Clone)]
+pub struct AccessLog {
+    inner: Option<Arc<Inner>>,
+}
+
+struct Inner {
+    sender: SyncSender<Message>,
+    reopen: Arc<AtomicBool>,
+    dropped: IntCounter,
+    thread: std::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+impl AccessLog {
+    /// No access log: `write` does nothing.
+    pub fn off() -> Self {
+        Self { inner: None }
+    }
+
+    /// Opens `path` (`-` for standard output) and starts the writer.
+    pub fn open(path: &str, dropped: IntCounter) -> Result<Self, OpenError> {
+        let sink = match path {
+            "-" => Sink::Stdout,
+            path => Sink::File(PathBuf::from(path)),
+        };
+        let out = sink.open().map_err(|source| OpenError {
+            path: PathBuf::from(path),
+            source,
+        })?;
+        let (sender, records) = mpsc::sync_channel(DEPTH);
+        let reopen = Arc::new(AtomicBool::new(false));
+        let writer = Writer {
+            sink,
+            out,
+            reopen: Arc::clone(&reopen),
+            dropped: dropped.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("guard-access-log".to_owned())
+            .spawn(move || writer.run(&records))
+            .map_err(|source| OpenError {
+                path: PathBuf::from(path),
+                source,
+            })?;
+        Ok(Self {
+            inner: Some(Arc::new(Inner {
+                sender,
+                reopen,
+                dropped,
+                thread: std::sync::Mutex::new(Some(thread)),
+            })),
+        })
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.inner.is_some()
+    }
+
+    /// Queues one line; never waits. A full queue drops it, counted.
+    pub fn write(&self, record: Record) {
+        let Some(inner) = &self.inner else {
+            return;
+        };
+        match inner.sender.try_send(Message::Line(Box::new(record))) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => inner.dropped.inc(),
+        }
+    }
+
+    /// Opens the path anew at the next line (after logrotate moved the file).
+    pub fn reopen(&self) {
+        if let Some(inner) = &self.inner {
+            inner.reopen.store(true, Ordering::Release);
+        }
+    }
+
+    /// Writes what is queued and stops the writer (at shutdown); clones write nothing after.
+    pub fn close(&self) {
+        let Some(inner) = &self.inner else {
+            return;
+        };
+        let thread = inner
+            .thread
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        // Queued behind every line already sent: the writer writes them, then stops.
+        let _ = inner.sender.send(Message::Close);
+        if let Some(thread) = thread {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The writer thread's state.
+struct Writer {
+    sink: Sink,
+    out: Box<dyn std::io::Write + Send>,
+    reopen: Arc<AtomicBool>,
+    dropped: IntCounter,
+}
+
+impl Writer {
+    fn run(mut self, messages: &mpsc::Receiver<Message>) {
+        loop {
+            let first = match messages.recv_timeout(IDLE) {
+                Ok(Message::Line(record)) => record,
+                Ok(Message::Close) | Err(RecvTimeoutError::Disconnected) => return,
+                Err(RecvTimeoutError::Timeout) => {
+                    self.maybe_reopen();
+                    continue;
+                }
+            };
+            let mut batch = vec![first];
+            let mut close = false;
+            while batch.len() < BATCH {
+                match messages.try_recv() {
+                    Ok(Message::Line(record)) => batch.push(record),
+                    Ok(Message::Close) => {
+                        close = true;
+                        break;
+                    }
+                    Err(_) => break,
+                }
+            }
+            self.maybe_reopen();
+            self.write(&batch);
+            if close {
+                return;
+            }
+        }
+    }
+
+    /// Writes the lines in one go; where the write fails (a full disk), each is counted as
+    /// dropped.
+    fn write(&mut self, batch: &[Box<Record>]) {
+        let mut text = Vec::with_capacity(batch.len() * 512);
+        for record in batch {
+            if serde_json::to_writer(&mut text, record).is_ok() {
+                text.push(b'\n');
+            } else {
+                self.dropped.inc();
+            }
+        }
+        if self.out.write_all(&text).and_then(|()| self.out.flush()).is_err() {
+            self.dropped.inc_by(batch.len() as u64);
+        }
+    }
+
+    fn maybe_reopen(&mut self) {
+        if !self.reopen.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        match self.sink.open() {
+            Ok(out) => self.out = out,
+            Err(err) => {
+                let error = crate::error_chain(&err);
+                tracing::error!(%error, "cannot reopen the access log; writing on to the old file");
+            }
+        }
+    }
+}
