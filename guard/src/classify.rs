@@ -226,6 +226,15 @@ impl Classifier {
     }
 
     /// How `/status` and the metrics name what decided.
+    /// The name of the first rule whose bearer token the request carries: who the client is
+    /// by its token, for the access log, without the token.
+    pub fn token_rule(&self, headers: &HeaderMap) -> Option<&str> {
+        self.rules
+            .iter()
+            .find(|rule| rule.bearer.as_ref().is_some_and(|s| s.authorizes(headers)))
+            .map(|rule| rule.label.as_str())
+    }
+
     pub fn label(&self, by: DecidedBy) -> &str {
         match by {
             DecidedBy::Header => "header",
@@ -534,6 +543,14 @@ mod tests {
             by(header::AUTHORIZATION, "Bearer nightlyx"),
             DecidedBy::Rule(5)
         );
+        // The access log names a token's rule, never the token.
+        let token = |value: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::AUTHORIZATION, value.parse().expect("v"));
+            c.token_rule(&headers).map(str::to_owned)
+        };
+        assert_eq!(token("Bearer hashed").as_deref(), Some("rule 2"));
+        assert_eq!(token("Bearer nightlyx"), None);
     }
 
     #[test]

@@ -15,6 +15,7 @@ use tokio::{
 };
 
 use crate::metrics::labels::{Listener, Reload};
+use crate::access::AccessLog;
 use crate::{
     classify::Tally,
     config::{Config, Listen},
@@ -46,6 +47,8 @@ pub enum DaemonError {
     Metrics(#[source] prometheus::Error),
     #[error(transparent)]
     Throttle(#[from] ThrottleSetupError),
+    #[error("log.access")]
+    AccessLog(#[source] crate::access::OpenError),
 }
 
 /// The kernel half's state, as /status and /metrics report it.
@@ -131,7 +134,8 @@ pub async fn run(
     }
     let proxy_listeners = listening(proxy_sockets)?;
     let metrics_listeners = listening(metrics_listener)?;
-    let parts = Parts::start(&config, metrics, throttler, ebpf, ports)?;
+    let access = open_access_log(&config, &metrics)?;
+    let parts = Parts::start(&config, metrics, throttler, ebpf, ports, access)?;
     let sources = Arc::new(parts.status_sources(&config, config_path.clone(), started));
     let metrics_task = spawn_metrics(&config, &parts.metrics, metrics_listeners, &sources)?;
     let agent_task = agent.map(|bound| spawn_agent(bound, &parts.metrics, &sources));
@@ -168,6 +172,18 @@ pub async fn run(
     Ok(())
 }
 
+/// The access log where `log.access` names one; opened here, after the privileged setup, so
+/// that its writer thread never holds a capability.
+fn open_access_log(config: &Config, metrics: &Metrics) -> Result<AccessLog, DaemonError> {
+    match &config.log.access {
+        Some(path) => {
+            let dropped = metrics.access_log_dropped_total.clone();
+            AccessLog::open(path, dropped).map_err(DaemonError::AccessLog)
+        }
+        None => Ok(AccessLog::off()),
+    }
+}
+
 /// The signals guard answers. Installed before anything serves: a SIGTERM or SIGHUP that
 /// comes as soon as guard answers must not meet the default action, which kills guard before
 /// it restores any cgroup.
@@ -175,6 +191,8 @@ struct Signals {
     terminate: Signal,
     interrupt: Signal,
     hangup: Signal,
+    /// SIGUSR1: the access log is opened anew (after logrotate moved it).
+    reopen: Signal,
 }
 
 impl Signals {
@@ -184,6 +202,7 @@ impl Signals {
             terminate: install(SignalKind::terminate())?,
             interrupt: install(SignalKind::interrupt())?,
             hangup: install(SignalKind::hangup())?,
+            reopen: install(SignalKind::user_defined1())?,
         })
     }
 
@@ -204,6 +223,7 @@ impl Signals {
                     config = reload(config, path, &parts.proxy, &parts.metrics);
                     configs.send_replace(config.clone());
                 }
+                _ = self.reopen.recv() => parts.access.reopen(),
             }
         }
     }
@@ -221,6 +241,7 @@ struct Parts {
     tally: Arc<Tally>,
     throughput: Arc<proxy::Throughput>,
     resume_kinds: Arc<proxy::resumes::ResumeKinds>,
+    access: AccessLog,
     proxy: Arc<Proxy>,
 }
 
@@ -233,6 +254,7 @@ impl Parts {
         throttler: Throttler,
         ebpf: Result<Loaded, EbpfError>,
         listen_ports: Vec<u16>,
+        access: AccessLog,
     ) -> Result<Self, DaemonError> {
         let (ebpf, events) = start_ebpf(ebpf, &listen_ports);
         metrics.ebpf_attached.set(i64::from(ebpf.tracker.is_some()));
@@ -262,6 +284,7 @@ impl Parts {
             tally: Arc::clone(&tally),
             throughput: Arc::clone(&throughput),
             resume_kinds: Arc::clone(&resume_kinds),
+            access: access.clone(),
         };
         let proxy = Arc::new(Proxy::new(config, proxy_parts)?);
         Ok(Self {
@@ -274,6 +297,7 @@ impl Parts {
             tally,
             throughput,
             resume_kinds,
+            access,
             proxy,
         })
     }
@@ -391,6 +415,8 @@ async fn shut_down(tasks: Tasks, parts: &Parts) {
         agent.abort();
     }
     tasks.risk.abort();
+    // Every request has concluded: what the log holds goes to its file.
+    parts.access.close();
     parts
         .throttler
         .lock()
@@ -553,6 +579,7 @@ fn reload(
                     "risk.state_dir",
                     next.risk.state_dir != current.risk.state_dir,
                 ),
+                ("log.access", next.log.access != current.log.access),
             ] {
                 if changed {
                     tracing::warn!(key, "SIGHUP: this key takes effect at the next start only");

@@ -36,6 +36,15 @@ pub struct Config {
     pub class: BTreeMap<String, ClassConfig>,
     pub classify: ClassifyConfig,
     pub cluster: ClusterConfig,
+    pub log: LogConfig,
+}
+
+/// What guard writes besides its own log (docs/design.md §7a).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// The access log: an absolute path, or `-` for standard output. Absent: off.
+    pub access: Option<String>,
 }
 
 /// What guard tells the balancers above it (docs/design.md §11).
@@ -530,6 +539,7 @@ impl Default for Config {
             class,
             classify: ClassifyConfig::default(),
             cluster: ClusterConfig::default(),
+            log: LogConfig::default(),
         }
     }
 }

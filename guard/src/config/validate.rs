@@ -244,6 +244,15 @@ impl Config {
             }
             crate::route::normalize(path).map_err(|err| Invalid::caused(key, err))?;
         }
+        if let Some(access) = &self.log.access
+            && access != "-"
+            && !std::path::Path::new(access).is_absolute()
+        {
+            return Err(Invalid::new(
+                "log.access",
+                "an absolute path, or \"-\" for standard output",
+            ));
+        }
         Ok(())
     }
 

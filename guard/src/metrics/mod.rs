@@ -94,6 +94,7 @@ pub struct Metrics {
     pub connections: IntGauge,
     pub connections_parked: IntGauge,
     pub connections_refused_total: Counters<ByListener>,
+    pub access_log_dropped_total: IntCounter,
 }
 
 impl Metrics {
@@ -296,6 +297,11 @@ impl Metrics {
                 "guard_connections_refused_total",
                 "Connections closed at once because their listener was full (proxy: server.max_connections, metrics: metrics.max_connections, agent: 64).",
             ),
+            access_log_dropped_total: IntCounter::new(
+                "guard_access_log_dropped_total",
+                "Access log lines that could not be queued or written (a slow or full disk); the requests were served.",
+            )
+            .expect("valid counter"),
             registry,
         };
         metrics.register_all();
@@ -348,6 +354,7 @@ impl Metrics {
             Box::new(self.connections.clone()),
             Box::new(self.connections_parked.clone()),
             self.connections_refused_total.collector(),
+            Box::new(self.access_log_dropped_total.clone()),
         ];
         for collector in collectors {
             self.registry

@@ -4,6 +4,7 @@
 pub mod budget;
 pub mod error;
 pub mod outcome;
+mod logged;
 mod passthrough;
 mod request;
 pub mod resumes;
@@ -20,6 +21,7 @@ use guard_net::park::Inbound;
 use http::{Method, Request, Response};
 
 pub use error::{ErrorShape, ProxyError};
+use logged::{End, Line};
 pub use guard_net::workers::{Workers, WorkersError};
 pub use serve::{serve, serve_connection, stop_requested};
 pub use throughput::{Hourly, Throughput};
@@ -30,7 +32,10 @@ use crate::{
     metrics::Metrics,
     proxy::outcome::Invalid,
     queue::Scheduler,
-    reap::{EbpfTracker, registry::Registry},
+    reap::{
+        EbpfTracker,
+        registry::{Connection, Registry},
+    },
     route::QueuedPaths,
     upstream::{
         Body, Client,
@@ -98,6 +103,8 @@ pub struct Parts {
     pub throughput: Arc<Throughput>,
     /// Where each class's way of going on after a preemption is kept.
     pub resume_kinds: Arc<resumes::ResumeKinds>,
+    /// Where each request's access log line goes.
+    pub access: crate::access::AccessLog,
 }
 
 impl Proxy {
@@ -139,6 +146,7 @@ impl Proxy {
             throughput: parts.throughput,
             resume_kinds: parts.resume_kinds,
             flow_keys: std::hash::RandomState::new(),
+            access: parts.access,
         };
         Ok(Self {
             queued: Arc::new(queued),
@@ -194,58 +202,72 @@ impl Proxy {
     async fn handle(
         self: &Arc<Self>,
         request: Request<Inbound>,
-        connection: &Arc<crate::reap::registry::Connection>,
+        connection: &Arc<Connection>,
     ) -> Response<Body> {
         let settings = self.settings();
         let shape = error_shape(request.uri().path(), settings.api);
-        if !passes_on(request.method()) {
-            let error = ProxyError::MethodNotAllowed {
-                method: request.method().clone(),
-            };
-            return self.bad_request(Invalid::Method, error, connection, shape);
-        }
-        if let Err(reason) = framing(request.headers()) {
-            return self.bad_request(
-                Invalid::Framing,
-                ProxyError::Framing(reason),
-                connection,
-                shape,
-            );
-        }
-        let queued = match settings.queued.contains(request.uri().path()) {
-            Ok(queued) => queued && request.method() == Method::POST,
-            Err(err) => {
-                let error = ProxyError::from(err);
-                return self.bad_request(Invalid::BadPath, error, connection, shape);
+        let queued = match sort(&request, &settings) {
+            Ok(queued) => queued,
+            Err((reason, error)) => {
+                return self.bad_request(reason, error, connection, shape, &request);
             }
         };
         if queued {
             let queued = Arc::clone(&self.queued);
             return request::handle(queued, settings, request, connection).await;
         }
+        let line = Line::begin(&self.queued, connection, request.method(), request.uri());
         // Boxed: hyper keeps room for this future in every connection, idle or not, and the
         // pass-through client's state is most of it.
         let limit = settings.max_passthrough;
-        Box::pin(self.passthrough.handle(limit, request, shape)).await
+        Box::pin(self.passthrough.handle(limit, request, shape, line)).await
     }
 
-    /// Refused before anything else: 400, and the connection closes after it (a body, if
-    /// any, unread).
+    /// Refused before anything else: 400 (405 for a method), and the connection closes after
+    /// it (a body, if any, unread).
     fn bad_request(
         &self,
         reason: Invalid,
         error: ProxyError,
-        connection: &crate::reap::registry::Connection,
+        connection: &Arc<Connection>,
         shape: ErrorShape,
+        request: &Request<Inbound>,
     ) -> Response<Body> {
         outcome::invalid(&self.queued.metrics, reason.as_str());
+        let line = Line::begin(&self.queued, connection, request.method(), request.uri());
         let mut response = error.into_response(shape);
         response.headers_mut().insert(
             http::header::CONNECTION,
             http::HeaderValue::from_static("close"),
         );
         connection.linger();
+        if let Some(line) = line {
+            line.tag(&mut response);
+            line.finish(End {
+                status: response.status().as_u16(),
+                outcome: "invalid",
+                reason: Some(reason.as_str()),
+                bytes_in: 0,
+                bytes_out: http_body::Body::size_hint(response.body())
+                    .exact()
+                    .unwrap_or(0),
+            });
+        }
         response
+    }
+}
+
+/// Whether a request is queued, passed through, or refused here: a method guard never passes
+/// on, a length two parties could read two ways, a path the upstream cannot decode.
+fn sort(request: &Request<Inbound>, settings: &Settings) -> Result<bool, (Invalid, ProxyError)> {
+    if !passes_on(request.method()) {
+        let method = request.method().clone();
+        return Err((Invalid::Method, ProxyError::MethodNotAllowed { method }));
+    }
+    framing(request.headers()).map_err(|reason| (Invalid::Framing, ProxyError::Framing(reason)))?;
+    match settings.queued.contains(request.uri().path()) {
+        Ok(queued) => Ok(queued && request.method() == Method::POST),
+        Err(err) => Err((Invalid::BadPath, ProxyError::from(err))),
     }
 }
 

@@ -312,6 +312,27 @@ impl Outcome {
         }
     }
 
+    /// The access log's words for it: the outcome, its reason and the stage it ended at.
+    pub fn words(&self) -> (&'static str, Option<&'static str>, Option<&'static str>) {
+        match self {
+            Self::Invalid(reason) => ("invalid", Some(reason.as_str()), None),
+            Self::TimedOut {
+                which: Timeout::BodyRead,
+                ..
+            } => ("invalid", Some("body_read_timeout"), None),
+            Self::Refused { .. } => ("refused", Some("remote_model"), None),
+            Self::Rejected { reason, stage } => {
+                ("rejected", Some(reason.as_str()), Some(stage.as_str()))
+            }
+            Self::Completed => ("completed", None, None),
+            Self::Failed(kind) => ("failed", Some(kind.as_str()), None),
+            Self::Reaped(stage) => ("reaped", None, Some(stage.as_str())),
+            Self::TimedOut { which, stage } => {
+                ("timed_out", Some(which.as_str()), Some(stage.as_str()))
+            }
+        }
+    }
+
     /// The `outcome` label of `guard_requests_total`; none for requests never classified.
     pub fn label(&self) -> Option<&'static str> {
         match self {

@@ -5,7 +5,7 @@ use std::{
     pin::Pin,
     sync::{
         Arc,
-        atomic::{AtomicU32, Ordering},
+        atomic::{AtomicU32, AtomicU64, Ordering},
     },
     task::{Context, Poll},
 };
@@ -17,7 +17,7 @@ use http_body_util::BodyExt as _;
 
 use guard_net::{park::Inbound, workers};
 
-use super::{ErrorShape, ProxyError};
+use super::{ErrorShape, ProxyError, logged::{End, Line}};
 use crate::{
     config::UpstreamConfig,
     metrics::{
@@ -47,10 +47,34 @@ impl Drop for Slot {
     }
 }
 
-/// An answer's body that holds its request's slot until it is dropped.
+/// An answer's body that holds its request's slot until it is dropped, and writes its access
+/// log line then (the bytes it carried, how long it took).
 struct Holding {
     body: Body,
     _slot: Slot,
+    line: Option<Logged>,
+}
+
+/// A pass-through request's line, and the bytes that went each way.
+struct Logged {
+    line: Line,
+    status: u16,
+    bytes_in: Arc<AtomicU64>,
+    bytes_out: u64,
+}
+
+impl Drop for Holding {
+    fn drop(&mut self) {
+        if let Some(logged) = self.line.take() {
+            logged.line.finish(End {
+                status: logged.status,
+                outcome: "passed",
+                reason: None,
+                bytes_in: logged.bytes_in.load(Ordering::Relaxed),
+                bytes_out: logged.bytes_out,
+            });
+        }
+    }
 }
 
 impl HttpBody for Holding {
@@ -61,7 +85,11 @@ impl HttpBody for Holding {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        if let (Poll::Ready(Some(Ok(frame))), Some(logged)) = (&polled, self.line.as_mut()) {
+            logged.bytes_out += frame.data_ref().map_or(0, |data| data.len() as u64);
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -96,19 +124,52 @@ impl Passthrough {
         }
     }
 
-    /// Relays one request, unless `limit` are in flight already (503).
+    /// Relays one request, unless `limit` are in flight already (503). `line`, where the
+    /// access log is on, is written when the answer's body is done.
     pub(super) async fn handle(
         &self,
         limit: u32,
         request: Request<Inbound>,
         shape: ErrorShape,
+        line: Option<Line>,
     ) -> Response<Body> {
+        let bytes_in = Arc::new(AtomicU64::new(0));
         let response = match Slot::take(&self.passing, limit) {
-            Some(slot) => self
-                .relay(request, shape)
-                .await
-                .map(|body| Holding { body, _slot: slot }.boxed()),
-            None => ProxyError::PassthroughFull { limit }.into_response(shape),
+            Some(slot) => {
+                let mut response = self.relay(request, shape, &bytes_in).await;
+                if let Some(line) = &line {
+                    line.tag(&mut response);
+                }
+                let status = response.status().as_u16();
+                let line = line.map(|line| Logged {
+                    line,
+                    status,
+                    bytes_in,
+                    bytes_out: 0,
+                });
+                response.map(|body| {
+                    Holding {
+                        body,
+                        _slot: slot,
+                        line,
+                    }
+                    .boxed()
+                })
+            }
+            None => {
+                let mut response = ProxyError::PassthroughFull { limit }.into_response(shape);
+                if let Some(line) = line {
+                    line.tag(&mut response);
+                    line.finish(End {
+                        status: response.status().as_u16(),
+                        outcome: "rejected",
+                        reason: Some("passthrough_full"),
+                        bytes_in: 0,
+                        bytes_out: 0,
+                    });
+                }
+                response
+            }
         };
         let status = response.status();
         let code = status.as_str();
@@ -123,13 +184,27 @@ impl Passthrough {
             .unwrap_or(&self.shared)
     }
 
-    async fn relay(&self, request: Request<Inbound>, shape: ErrorShape) -> Response<Body> {
+    async fn relay(
+        &self,
+        request: Request<Inbound>,
+        shape: ErrorShape,
+        bytes_in: &Arc<AtomicU64>,
+    ) -> Response<Body> {
         // A request without a body (GET /api/tags, /v1/models) can be sent again safely.
         let sent = if request.body().is_end_stream() {
             let (head, _) = request.into_parts();
             self.client().send_buffered(&head, Bytes::new()).await
         } else {
-            let request = request.map(|body| body.map_err(Into::into).boxed());
+            let counted = Arc::clone(bytes_in);
+            let request = request.map(|body| {
+                body.map_frame(move |frame| {
+                    let length = frame.data_ref().map_or(0, |data| data.len() as u64);
+                    counted.fetch_add(length, Ordering::Relaxed);
+                    frame
+                })
+                .map_err(Into::into)
+                .boxed()
+            });
             self.client().send(request).await
         };
         match sent {

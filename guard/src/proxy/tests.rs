@@ -9,7 +9,10 @@ use guard_testkit::{Mode, Script};
 use harness::{GAP, Harness, frames};
 use tokio::time::Instant;
 
-use crate::config::{Api, ClassConfig, Config, Preemptible};
+use crate::{
+    access::Record,
+    config::{Api, ClassConfig, Config, Preemptible},
+};
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -422,4 +425,68 @@ async fn only_a_connection_whose_answer_was_one_document_is_used_again() {
         200
     );
     assert_eq!(guard.upstream.dials(), 3);
+}
+
+/// A fresh path for a test's access log.
+fn access_log_path(test: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("guard-access-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a temp dir");
+    dir.join("access.log")
+}
+
+/// The log's lines once there are `count` of them (the writer is a thread of its own).
+async fn access_lines(guard: &Harness, path: &std::path::Path, count: usize) -> Vec<Record> {
+    let read = || std::fs::read_to_string(path).unwrap_or_default();
+    guard.until(|| read().lines().count() >= count).await;
+    read()
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("a line is one JSON record"))
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_request_is_one_access_log_line_with_its_outcome() {
+    let path = access_log_path("outcomes");
+    let mut config = config(1);
+    config.log.access = Some(path.display().to_string());
+    let guard = Harness::new(config);
+    let completed = guard.send("interactive", frames(3)).await;
+    let stuck = guard.send("interactive", Script::new(Mode::Hang).frames(1, GAP)).await;
+    let unknown = guard.send("nope", frames(1)).await;
+    let stalled = guard.open_stalled("batch", frames(1_000)).await;
+    guard.until(|| guard.upstream.started() == 3).await;
+    guard.leave(&stalled);
+    guard.settle().await;
+    let lines = access_lines(&guard, &path, 4).await;
+    assert_eq!(lines.len(), 4, "one line a request: {lines:#?}");
+    let line = |answer: &harness::Answer| {
+        let id = answer.header("x-guard-request-id").expect("the id is sent");
+        let mut with_id = lines.iter().filter(|l| l.id == id);
+        let line = with_id.next().expect("its line");
+        assert!(with_id.next().is_none(), "once");
+        line.clone()
+    };
+    let done = line(&completed);
+    assert_eq!(
+        (done.outcome.as_str(), done.status, done.class.as_deref()),
+        ("completed", 200, Some("interactive"))
+    );
+    assert_eq!(done.bytes_out, completed.body().len() as u64, "every byte sent");
+    assert!(done.decided_by.is_some(), "what decided its class");
+    assert!(done.slot_ms.is_some_and(|ms| ms >= 60.0), "three frames 20 ms apart");
+    assert_eq!(done.path, "/v1/chat/completions");
+    let idle = line(&stuck);
+    assert_eq!(
+        (idle.outcome.as_str(), idle.reason.as_deref(), idle.stage.as_deref()),
+        ("timed_out", Some("upstream_idle"), Some("running"))
+    );
+    let refused = line(&unknown);
+    assert_eq!(
+        (refused.outcome.as_str(), refused.reason.as_deref(), refused.status),
+        ("invalid", Some("unknown_class"), 400)
+    );
+    let reaped = lines.iter().find(|l| l.outcome == "reaped").expect("the reaped one");
+    assert_eq!(reaped.stage.as_deref(), Some("running"));
+    guard.assert_invariant();
 }

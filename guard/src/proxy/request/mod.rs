@@ -6,6 +6,7 @@
 //! the upstream exchange and the way back to the client; `conclude` is the only place that
 //! ends the exchange, returns the permit and records the outcome, in that order.
 
+mod account;
 mod phases;
 mod preempt;
 mod reading;
@@ -27,7 +28,11 @@ use super::{
     resumes::ResumeKinds,
     throughput::Throughput,
 };
+use account::Account;
+pub(super) use account::{identity, method_and_path};
+
 use crate::{
+    access::AccessLog,
     classify::Tally,
     config::ClassTimeouts,
     metrics::Metrics,
@@ -65,6 +70,8 @@ pub(in crate::proxy) struct Shared {
     pub resume_kinds: Arc<ResumeKinds>,
     /// Hashes flow keys (`fair_by`) with a key of this process's own.
     pub flow_keys: RandomState,
+    /// Where each request's line goes when it concludes (off unless `log.access` is set).
+    pub access: AccessLog,
 }
 
 /// What guard reads from a body: its model and the output tokens it asks for.
@@ -189,6 +196,8 @@ enum Place {
 struct Running {
     permit: Permit,
     exchange: Option<Exchange>,
+    /// When it took the slot.
+    since: Instant,
 }
 
 impl Running {
@@ -196,6 +205,7 @@ impl Running {
         Self {
             permit,
             exchange: None,
+            since: Instant::now(),
         }
     }
 }
@@ -211,11 +221,16 @@ impl Place {
 
     /// Gives its slot back: a running request is queued again (or about to end). Its
     /// exchange ends first (the socket closes): only an exchange that is over frees its slot.
-    fn give_back(&mut self) -> Option<Permit> {
+    /// Returns the permit and how long the slot was held.
+    fn give_back(&mut self) -> Option<(Permit, Duration)> {
         match std::mem::replace(self, Self::Queued) {
-            Self::Running(Running { permit, exchange }) => {
+            Self::Running(Running {
+                permit,
+                exchange,
+                since,
+            }) => {
                 drop(exchange);
-                Some(permit)
+                Some((permit, since.elapsed()))
             }
             other => {
                 *self = other;
@@ -284,6 +299,8 @@ pub(super) struct QueuedRequest {
     answer_is_json: Option<bool>,
     /// What preemption cost it so far.
     preemptions: Preemptions,
+    /// What its access log line says beside the above.
+    account: Account,
     concluded: bool,
 }
 
@@ -316,6 +333,7 @@ impl QueuedRequest {
             endpoint: None,
             answer_is_json: None,
             preemptions: Preemptions::default(),
+            account: Account::new(crate::access::request_id()),
             concluded: false,
         }
     }
@@ -345,15 +363,26 @@ impl QueuedRequest {
         // The pace guard saw, for servers that do not say their own decode rate.
         let pace = self.place.permit().and_then(|p| p.progress().pace());
         self.free_upstream(outcome == Outcome::Completed);
+        let elapsed = self.arrived.elapsed();
         // Recorded before the client is told: whoever reads the metrics after the answer
         // ends finds it counted.
-        self.record(&outcome, stage, pace.map(|(_, per_token)| per_token));
+        let per_token = pace.map(|(_, per_token)| per_token);
+        self.record(&outcome, stage, per_token, elapsed);
         self.tell_client(&outcome, answer);
+        if self.shared.access.is_on() {
+            let line = self.access_record(&outcome, stage, elapsed);
+            self.shared.access.write(line);
+        }
     }
 
     /// The one hook at the end: the outcome, its timings and the job, written once.
-    fn record(&self, outcome: &Outcome, stage: Stage, per_token: Option<Duration>) {
-        let elapsed = self.arrived.elapsed();
+    fn record(
+        &self,
+        outcome: &Outcome,
+        stage: Stage,
+        per_token: Option<Duration>,
+        elapsed: Duration,
+    ) {
         let queue_wait = match stage {
             Stage::Arrival => None,
             _ => Some(self.waited.unwrap_or(elapsed)),
@@ -432,6 +461,9 @@ impl QueuedRequest {
             Reply::Open(relay) => relay.finish(outcome, answer.as_ref()),
             Reply::Waiting(respond) => {
                 let mut response = self.answer(answer.unwrap_or(ProxyError::Internal));
+                self.account.status = Some(response.status().as_u16());
+                let length = http_body::Body::size_hint(response.body()).exact();
+                self.account.bytes_out += length.unwrap_or(0);
                 if !self.body_read {
                     // The rest of the body is still coming: the connection closes after this
                     // answer, reading (and dropping) what the client sends meanwhile, so that
@@ -453,7 +485,8 @@ impl QueuedRequest {
     /// exchange that is over frees its slot. A completed one teaches the estimator.
     fn free_upstream(&mut self, completed: bool) {
         self.held = None;
-        if let Some(permit) = self.place.give_back() {
+        if let Some((permit, held)) = self.place.give_back() {
+            self.account.slot += held;
             if completed {
                 let usage = self.usage.unwrap_or_default();
                 permit.complete(usage.generated, usage.decode_per_second);
@@ -498,16 +531,28 @@ impl QueuedRequest {
 
     /// An error answer, tagged with the class once there is one.
     fn answer(&self, error: ProxyError) -> Response<Body> {
-        let response = error.into_response(self.shape);
+        let mut response = error.into_response(self.shape);
         if self.class.is_some() {
             self.tag(response)
         } else {
+            self.tag_id(&mut response);
             response
+        }
+    }
+
+    /// Adds `X-Guard-Request-Id`, the id its access log line has (where the log is on).
+    fn tag_id<B>(&self, response: &mut Response<B>) {
+        if !self.shared.access.is_on() {
+            return;
+        }
+        if let Ok(id) = HeaderValue::from_str(&self.account.id) {
+            response.headers_mut().insert(REQUEST_ID_HEADER, id);
         }
     }
 
     /// Adds `X-Guard-Class` and `X-Guard-Queue-Ms` (the time the request waited in guard).
     fn tag<B>(&self, mut response: Response<B>) -> Response<B> {
+        self.tag_id(&mut response);
         let waited = self.waited.unwrap_or_else(|| self.arrived.elapsed());
         let headers = response.headers_mut();
         if let Some(value) = self
@@ -528,6 +573,7 @@ impl QueuedRequest {
 /// guard's own answer headers, named once (a `&str` name is parsed on every insert).
 const CLASS_HEADER: http::HeaderName = http::HeaderName::from_static("x-guard-class");
 const QUEUE_MS_HEADER: http::HeaderName = http::HeaderName::from_static("x-guard-queue-ms");
+const REQUEST_ID_HEADER: http::HeaderName = http::HeaderName::from_static("x-guard-request-id");
 
 impl Drop for QueuedRequest {
     /// The last resort: the owner's task was dropped before it concluded (the runtime is

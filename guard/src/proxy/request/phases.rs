@@ -91,7 +91,7 @@ fn detach(mut head: request::Parts) -> request::Parts {
 }
 
 /// The client's process, looked up once per connection (the eBPF record, else /proc).
-fn client_process(shared: &Shared, connection: &Connection) -> Option<Arc<Peer>> {
+pub(super) fn client_process(shared: &Shared, connection: &Connection) -> Option<Arc<Peer>> {
     let tracker = shared.tracker.as_deref();
     connection.process(|| peer_of(tracker, connection.peer, connection.local))
 }
@@ -103,6 +103,7 @@ fn too_large(limit: u64) -> Ending {
 impl QueuedRequest {
     pub(super) async fn phases(&mut self, request: Request<Inbound>) -> Phase<Ending> {
         let (mut head, body) = request.into_parts();
+        self.account.head(&head);
         // Until the body is read, the class is the one the head alone points to (rules on the
         // model need the body): its body-read limit applies.
         if let Ok(class) = self.decide(&head, None, false) {
@@ -110,6 +111,7 @@ impl QueuedRequest {
             self.class = Some(class);
         }
         let bytes = Box::pin(self.read_body(&head, body)).await?;
+        self.account.bytes_in = bytes.len() as u64;
         let asks = Asks::read(&bytes);
         let class = self
             .decide(&head, asks.model.as_deref(), true)
@@ -298,14 +300,15 @@ impl QueuedRequest {
 
     /// The class of this request; `last` is the final decision, which the tally counts.
     fn decide(
-        &self,
+        &mut self,
         head: &request::Parts,
         model: Option<&str>,
         last: bool,
     ) -> Result<String, ProxyError> {
+        let settings = Arc::clone(&self.settings);
         let (proxy, connection) = (&*self.shared, &*self.connection);
         let peer = || client_process(proxy, connection);
-        let classifier = &self.settings.classifier;
+        let classifier = &settings.classifier;
         let decision = classifier.classify(&RequestFacts {
             path: head.uri.path(),
             headers: &head.headers,
@@ -316,6 +319,9 @@ impl QueuedRequest {
         tracing::trace!(class = decision.class, by = %decision.by, "classified");
         if last {
             self.shared.tally.record(classifier, &decision);
+            let account = &mut self.account;
+            account.decided_by = Some(classifier.label(decision.by).to_owned());
+            account.token = classifier.token_rule(&head.headers).map(str::to_owned);
         }
         Ok(decision.class)
     }

@@ -158,9 +158,10 @@ impl QueuedRequest {
         let class = self.class.clone().unwrap_or_default();
         let stopped = proxy.metrics.preempted_total.of(&Class { class: &class });
         stopped.inc();
-        let Some(permit) = self.place.give_back() else {
+        let Some((permit, held)) = self.place.give_back() else {
             return Err(Ending::Told(ProxyError::Internal));
         };
+        self.account.slot += held;
         tracing::debug!(class, tokens = tracked.generated(), "preempted");
         let ticket = permit.requeue(self.arrived);
         let watch = self.watch();

@@ -208,7 +208,10 @@ impl QueuedRequest {
             return (last, Ending::Quiet(Outcome::Completed));
         }
         let model = self.model.clone().unwrap_or_default();
-        let mut response = Response::new(full(tracked.whole(&model)));
+        let whole = tracked.whole(&model);
+        self.account.status = Some(200);
+        self.account.bytes_out += whole.len() as u64;
+        let mut response = Response::new(full(whole));
         response.headers_mut().insert(
             header::CONTENT_TYPE,
             http::HeaderValue::from_static("application/json"),

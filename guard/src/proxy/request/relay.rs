@@ -125,6 +125,7 @@ impl QueuedRequest {
         format: StreamFormat,
         hint: http_body::SizeHint,
     ) -> bool {
+        self.account.status = Some(answer.status.as_u16());
         let (body, feed) = ClientBody::channel(hint);
         let response = self.tag(Response::from_parts(
             answer,
@@ -217,6 +218,7 @@ impl QueuedRequest {
                 () = preempted => Next::Preempted,
                 room = feed.room() => match (room, pending.take()) {
                     (Ok(room), Some(waiting)) => {
+                        self.account.bytes_out += data_len(&waiting.frame);
                         room.send(waiting.frame);
                         Next::Delivered
                     }
@@ -247,14 +249,22 @@ impl QueuedRequest {
 
     /// Hands `out` to the client where it has room now; else it waits as `pending`, and the
     /// client's stall clock starts. Returns the ending if the client has gone.
-    fn offer(&self, out: Option<Frame<Bytes>>, pending: &mut Option<Pending>) -> Option<Ending> {
+    fn offer(
+        &mut self,
+        out: Option<Frame<Bytes>>,
+        pending: &mut Option<Pending>,
+    ) -> Option<Ending> {
         let frame = out?;
         let Some(feed) = self.reply.feed() else {
             // A client that gets its answer whole at the end: nothing goes before it.
             return None;
         };
+        let length = data_len(&frame);
         match feed.try_send(frame) {
-            Ok(()) => None,
+            Ok(()) => {
+                self.account.bytes_out += length;
+                None
+            }
             Err(Offer::Gone) => Some(Ending::Quiet(Outcome::Reaped(Stage::Running))),
             Err(Offer::Full(frame)) => {
                 *pending = Some(Pending {
@@ -325,4 +335,9 @@ impl QueuedRequest {
             self.shared.ttft.record(class, ttft);
         }
     }
+}
+
+/// The bytes of a data frame (a trailers frame carries none).
+fn data_len(frame: &Frame<Bytes>) -> u64 {
+    frame.data_ref().map_or(0, |data| data.len() as u64)
 }

@@ -94,6 +94,15 @@ impl Harness {
             tally: Arc::new(crate::classify::Tally::new(&metrics)),
             throughput: Arc::default(),
             resume_kinds: Arc::default(),
+            // As the daemon does: `log.access` names the file.
+            access: match &config.log.access {
+                Some(path) => crate::access::AccessLog::open(
+                    path,
+                    metrics.access_log_dropped_total.clone(),
+                )
+                .expect("the access log opens"),
+                None => crate::access::AccessLog::off(),
+            },
         };
         let proxy = Proxy::with_dial(&config, parts, Dial::Memory(connect)).expect("a proxy");
         Self {

@@ -1,0 +1,141 @@
+//! What the access log says of a queued request, gathered on its way: its id, what it was, who
+//! sent it, what it was sent back and what it used. Written once, when it concludes.
+
+use std::time::Duration;
+
+use http::request;
+
+use super::{QueuedRequest, Shared, phases::client_process};
+use crate::{
+    access::{Identity, Record, Tokens},
+    proxy::outcome::{Outcome, Stage},
+    quote::quote,
+    reap::registry::Connection,
+};
+
+/// The longest path the log keeps (a longer one is cut, quoted as elsewhere).
+const PATH_BYTES: usize = 256;
+
+/// A request's facts for its access log line, beside what its owner keeps anyway.
+#[derive(Debug, Default)]
+pub(super) struct Account {
+    /// Also sent to the client as `X-Guard-Request-Id`.
+    pub(super) id: String,
+    method: String,
+    path: String,
+    /// The rule, header or default that decided the class.
+    pub(super) decided_by: Option<String>,
+    /// The rule whose bearer token the request carried (never the token).
+    pub(super) token: Option<String>,
+    /// The status of the response head the client was sent, once sent.
+    pub(super) status: Option<u16>,
+    pub(super) bytes_in: u64,
+    pub(super) bytes_out: u64,
+    /// Time it held an upstream slot, over every segment.
+    pub(super) slot: Duration,
+    pub(super) energy: Option<f64>,
+}
+
+impl Account {
+    pub(super) fn new(id: String) -> Self {
+        Self {
+            id,
+            ..Self::default()
+        }
+    }
+
+    /// What the request is: its method and its path as the upstream decodes it.
+    pub(super) fn head(&mut self, head: &request::Parts) {
+        (self.method, self.path) = method_and_path(&head.method, &head.uri);
+    }
+
+    pub(super) fn add_energy(&mut self, joules: Option<f64>) {
+        if let Some(joules) = joules {
+            *self.energy.get_or_insert(0.0) += joules;
+        }
+    }
+}
+
+/// At most `PATH_BYTES`, cut at a character boundary.
+fn bounded(path: &str) -> &str {
+    let mut end = path.len().min(PATH_BYTES);
+    while !path.is_char_boundary(end) {
+        end -= 1;
+    }
+    &path[..end]
+}
+
+/// A client that left before any response head was sent (nginx's word for it).
+const CLIENT_CLOSED: u16 = 499;
+
+impl QueuedRequest {
+    /// The request's access log line, as it concludes.
+    pub(super) fn access_record(&self, outcome: &Outcome, stage: Stage, elapsed: Duration) -> Record {
+        let (words, reason, ended_at) = outcome.words();
+        let usage = self.usage.unwrap_or_default();
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        let account = &self.account;
+        Record {
+            time: Some(jiff::Timestamp::now()),
+            id: account.id.clone(),
+            client: Some(self.connection.peer),
+            identity: self.identity(),
+            class: self.class.clone(),
+            decided_by: account.decided_by.clone(),
+            method: account.method.clone(),
+            path: account.path.clone(),
+            model: self.model.as_ref().map(|_| self.model_label()),
+            status: account.status.unwrap_or(CLIENT_CLOSED),
+            outcome: words.to_owned(),
+            reason: reason.map(str::to_owned),
+            stage: ended_at.map(str::to_owned),
+            queue_ms: (stage != Stage::Arrival).then(|| ms(self.waited.unwrap_or(elapsed))),
+            ttft_ms: self.ttft.map(ms),
+            duration_ms: ms(elapsed),
+            tokens: Tokens {
+                prompt: usage.prompt,
+                computed: usage.prompt_computed,
+                cached: usage.prompt_cached,
+                generated: usage.generated,
+            },
+            preemptions: self.preemptions.pauses.len() as u64,
+            bytes_in: account.bytes_in,
+            bytes_out: account.bytes_out,
+            slot_ms: self.waited.map(|_| ms(account.slot)),
+            energy_joules: account.energy,
+        }
+    }
+
+    fn identity(&self) -> Identity {
+        identity(&self.shared, &self.connection, self.account.token.clone())
+    }
+}
+
+/// Who the client is: its process (the eBPF record, else /proc, looked up once per
+/// connection) and the rule its token matched.
+pub(in crate::proxy) fn identity(
+    shared: &Shared,
+    connection: &Connection,
+    token: Option<String>,
+) -> Identity {
+    let peer = client_process(shared, connection);
+    let cgroup = peer.as_ref().and_then(|p| p.cgroup.clone());
+    Identity {
+        uid: peer.as_ref().and_then(|p| p.uid),
+        unit: cgroup
+            .as_deref()
+            .and_then(|path| path.rsplit('/').next())
+            .filter(|unit| !unit.is_empty())
+            .map(str::to_owned),
+        cgroup,
+        token,
+    }
+}
+
+/// A request's method and path as the log says them: quoted, the path as the upstream
+/// decodes it and bounded.
+pub(in crate::proxy) fn method_and_path(method: &http::Method, uri: &http::Uri) -> (String, String) {
+    let raw = uri.path();
+    let path = crate::route::normalize(raw).map_or_else(|_| raw.into(), |p| p);
+    (quote(method.as_str()), quote(bounded(&path)))
+}
