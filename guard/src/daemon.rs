@@ -14,8 +14,8 @@ use tokio::{
     task::JoinHandle,
 };
 
-use crate::metrics::labels::{Listener, Reload};
 use crate::access::AccessLog;
+use crate::metrics::labels::{Listener, Reload};
 use crate::{
     classify::Tally,
     config::{Config, Listen},

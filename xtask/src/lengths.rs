@@ -234,7 +234,10 @@ impl<'ast> Visit<'ast> for Finder<'_> {
     }
 
     fn visit_trait_item_fn(&mut self, item: &'ast syn::TraitItemFn) {
-        let end = item.default.as_ref().map(|body| body.brace_token.span.close());
+        let end = item
+            .default
+            .as_ref()
+            .map(|body| body.brace_token.span.close());
         self.function(&item.attrs, &item.sig, end, |finder| {
             syn::visit::visit_trait_item_fn(finder, item);
         });

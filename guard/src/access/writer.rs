@@ -200,19 +200,24 @@ impl Writer {
         }
     }
 
-    /// Writes the lines in one go; where the write fails (a full disk), each is counted as
-    /// dropped.
+    /// Writes each line with one write of its own, so that a failure (a full disk) loses
+    /// exactly the lines it counts: that one, and the rest of the batch.
     fn write(&mut self, batch: &[Box<Record>]) {
-        let mut text = Vec::with_capacity(batch.len() * 512);
-        for record in batch {
-            if serde_json::to_writer(&mut text, record).is_ok() {
-                text.push(b'\n');
-            } else {
+        let mut line = Vec::with_capacity(1_024);
+        for (written, record) in batch.iter().enumerate() {
+            line.clear();
+            if serde_json::to_writer(&mut line, record).is_err() {
                 self.dropped.inc();
+                continue;
+            }
+            line.push(b'\n');
+            if self.out.write_all(&line).is_err() {
+                self.dropped.inc_by((batch.len() - written) as u64);
+                return;
             }
         }
-        if self.out.write_all(&text).and_then(|()| self.out.flush()).is_err() {
-            self.dropped.inc_by(batch.len() as u64);
+        if self.out.flush().is_err() {
+            self.dropped.inc();
         }
     }
 

@@ -3,8 +3,8 @@
 
 pub mod budget;
 pub mod error;
-pub mod outcome;
 mod logged;
+pub mod outcome;
 mod passthrough;
 mod request;
 pub mod resumes;
@@ -21,8 +21,8 @@ use guard_net::park::Inbound;
 use http::{Method, Request, Response};
 
 pub use error::{ErrorShape, ProxyError};
-use logged::{End, Line};
 pub use guard_net::workers::{Workers, WorkersError};
+use logged::{End, Line};
 pub use serve::{serve, serve_connection, stop_requested};
 pub use throughput::{Hourly, Throughput};
 

@@ -17,7 +17,10 @@ use http_body_util::BodyExt as _;
 
 use guard_net::{park::Inbound, workers};
 
-use super::{ErrorShape, ProxyError, logged::{End, Line}};
+use super::{
+    ErrorShape, ProxyError,
+    logged::{End, Line},
+};
 use crate::{
     config::UpstreamConfig,
     metrics::{

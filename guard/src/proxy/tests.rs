@@ -452,7 +452,9 @@ async fn every_request_is_one_access_log_line_with_its_outcome() {
     config.log.access = Some(path.display().to_string());
     let guard = Harness::new(config);
     let completed = guard.send("interactive", frames(3)).await;
-    let stuck = guard.send("interactive", Script::new(Mode::Hang).frames(1, GAP)).await;
+    let stuck = guard
+        .send("interactive", Script::new(Mode::Hang).frames(1, GAP))
+        .await;
     let unknown = guard.send("nope", frames(1)).await;
     let stalled = guard.open_stalled("batch", frames(1_000)).await;
     guard.until(|| guard.upstream.started() == 3).await;
@@ -472,21 +474,39 @@ async fn every_request_is_one_access_log_line_with_its_outcome() {
         (done.outcome.as_str(), done.status, done.class.as_deref()),
         ("completed", 200, Some("interactive"))
     );
-    assert_eq!(done.bytes_out, completed.body().len() as u64, "every byte sent");
+    assert_eq!(
+        done.bytes_out,
+        completed.body().len() as u64,
+        "every byte sent"
+    );
     assert!(done.decided_by.is_some(), "what decided its class");
-    assert!(done.slot_ms.is_some_and(|ms| ms >= 60.0), "three frames 20 ms apart");
+    assert!(
+        done.slot_ms.is_some_and(|ms| ms >= 60.0),
+        "three frames 20 ms apart"
+    );
     assert_eq!(done.path, "/v1/chat/completions");
     let idle = line(&stuck);
     assert_eq!(
-        (idle.outcome.as_str(), idle.reason.as_deref(), idle.stage.as_deref()),
+        (
+            idle.outcome.as_str(),
+            idle.reason.as_deref(),
+            idle.stage.as_deref()
+        ),
         ("timed_out", Some("upstream_idle"), Some("running"))
     );
     let refused = line(&unknown);
     assert_eq!(
-        (refused.outcome.as_str(), refused.reason.as_deref(), refused.status),
+        (
+            refused.outcome.as_str(),
+            refused.reason.as_deref(),
+            refused.status
+        ),
         ("invalid", Some("unknown_class"), 400)
     );
-    let reaped = lines.iter().find(|l| l.outcome == "reaped").expect("the reaped one");
+    let reaped = lines
+        .iter()
+        .find(|l| l.outcome == "reaped")
+        .expect("the reaped one");
     assert_eq!(reaped.stage.as_deref(), Some("running"));
     guard.assert_invariant();
 }

@@ -70,7 +70,12 @@ const CLIENT_CLOSED: u16 = 499;
 
 impl QueuedRequest {
     /// The request's access log line, as it concludes.
-    pub(super) fn access_record(&self, outcome: &Outcome, stage: Stage, elapsed: Duration) -> Record {
+    pub(super) fn access_record(
+        &self,
+        outcome: &Outcome,
+        stage: Stage,
+        elapsed: Duration,
+    ) -> Record {
         let (words, reason, ended_at) = outcome.words();
         let usage = self.usage.unwrap_or_default();
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
@@ -134,7 +139,10 @@ pub(in crate::proxy) fn identity(
 
 /// A request's method and path as the log says them: quoted, the path as the upstream
 /// decodes it and bounded.
-pub(in crate::proxy) fn method_and_path(method: &http::Method, uri: &http::Uri) -> (String, String) {
+pub(in crate::proxy) fn method_and_path(
+    method: &http::Method,
+    uri: &http::Uri,
+) -> (String, String) {
     let raw = uri.path();
     let path = crate::route::normalize(raw).map_or_else(|_| raw.into(), |p| p);
     (quote(method.as_str()), quote(bounded(&path)))

@@ -12,7 +12,7 @@ use http::{header, request, response};
 use tokio::time::Instant;
 
 use super::{
-    Ending, Place, QueuedRequest, Running,
+    Ending, Place, QueuedRequest, Running, Shared,
     tracked::{Engine, Tracked},
 };
 use crate::{
@@ -143,6 +143,8 @@ impl QueuedRequest {
         tracked: &mut Tracked,
         head: &request::Parts,
     ) -> Result<(Exchange, response::Parts), Ending> {
+        let exact = matches!(tracked.engine, Engine::Exact(_));
+        let before = generated_alone(Arc::clone(&self.shared), exact).await;
         self.place.set_exchange(None);
         let proxy = Arc::clone(&self.shared);
         if self.settings.api == Api::Openai {
@@ -152,6 +154,18 @@ impl QueuedRequest {
                 interrupt = watch.interrupted() => return Err(self.interrupted(interrupt)),
                 _ = tokio::time::timeout(SLOT_FREE_BOUND, wait_for_free_slot(&proxy.upstream)) => {}
             }
+        }
+        let after = match before {
+            Some(_) => generated_alone(Arc::clone(&self.shared), exact).await,
+            None => None,
+        };
+        if let (Some(before), Some(after)) = (before, after)
+            && let Engine::Exact(run) = &mut tracked.engine
+        {
+            // The stopped task's tokens are counted as it ends: past what its stream said
+            // are those it made before it saw the stream closed.
+            let ended = (after - before).max(0.0) as u64;
+            run.unseen += ended.saturating_sub(run.ids.segment_tokens());
         }
         self.pad(tracked).await;
         let paused = Instant::now();
@@ -226,6 +240,16 @@ impl QueuedRequest {
             None => Box::pin(self.pause(tracked, head)).await,
         }
     }
+}
+
+/// The server's own count of the tokens it generated, where an exact run is the only request
+/// guard has running there (else another's end would be taken for this one's).
+async fn generated_alone(shared: Arc<Shared>, exact: bool) -> Option<f64> {
+    if !exact || shared.scheduler.load().1 != 1 {
+        return None;
+    }
+    let text = shared.upstream.get("/metrics").await?;
+    llama::Load::parse(std::str::from_utf8(&text).ok()?)?.predicted_total
 }
 
 fn kept_nothing(err: &ExactError) {

@@ -30,6 +30,8 @@ pub(super) struct ExactRun {
     /// The server's last event (the end's fields for a `/completion` client's whole answer).
     pub(super) last: Value,
     decode_per_second: Option<f64>,
+    /// Tokens the server generated after guard stopped reading a paused segment.
+    pub(super) unseen: u64,
 }
 
 impl ExactRun {
@@ -40,6 +42,7 @@ impl ExactRun {
             framer,
             last: Value::Null,
             decode_per_second: None,
+            unseen: 0,
         }
     }
 }
@@ -201,9 +204,12 @@ impl Tracked {
                 prompt: Some(run.exact.prompt_tokens()),
                 prompt_computed,
                 prompt_cached,
-                // The server's own count: the answer's tokens and those it sampled for guard's
-                // small requests on its behalf (the client's usage counts only the answer's).
-                generated: Some(run.ids.generated() + read.sampled),
+                // The server's own count: the answer's tokens, those it generated again after a
+                // pause or after guard stopped reading, and those it sampled for guard's small
+                // requests on its behalf (the client's usage counts only the answer's).
+                generated: Some(
+                    run.ids.generated() + run.ids.regenerated + run.unseen + read.sampled,
+                ),
                 decode_per_second: run.decode_per_second,
                 ended: run.ids.stop_type.is_some(),
                 load: None,

@@ -96,11 +96,10 @@ impl Harness {
             resume_kinds: Arc::default(),
             // As the daemon does: `log.access` names the file.
             access: match &config.log.access {
-                Some(path) => crate::access::AccessLog::open(
-                    path,
-                    metrics.access_log_dropped_total.clone(),
-                )
-                .expect("the access log opens"),
+                Some(path) => {
+                    crate::access::AccessLog::open(path, metrics.access_log_dropped_total.clone())
+                        .expect("the access log opens")
+                }
                 None => crate::access::AccessLog::off(),
             },
         };

@@ -38,6 +38,8 @@ pub struct Load {
     pub deferred: f64,
     /// Its KV cache's usage, 0..1, where it reports it.
     pub kv_usage: Option<f64>,
+    /// Tokens it has generated since it started, counted as each task ends.
+    pub predicted_total: Option<f64>,
 }
 
 impl Load {
@@ -55,6 +57,7 @@ impl Load {
             processing: find("llamacpp:requests_processing").unwrap_or(0.0),
             deferred: find("llamacpp:requests_deferred").unwrap_or(0.0),
             kv_usage: find("llamacpp:kv_cache_usage_ratio"),
+            predicted_total: find("llamacpp:tokens_predicted_total"),
         })
     }
 }
@@ -87,6 +90,7 @@ mod tests {
                 processing: 1.0,
                 deferred: 3.0,
                 kv_usage: None,
+                predicted_total: None,
             })
         );
         let with_kv = format!(
