@@ -2,7 +2,11 @@
 
 use std::path::PathBuf;
 
-use clap::{Parser, Subcommand};
+use clap::{
+    Parser, Subcommand,
+    builder::{PossibleValuesParser, TypedValueParser as _},
+};
+use guard_tools::usage;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -70,6 +74,35 @@ pub enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Who used the box: the access log summed per client (requests by outcome, tokens read,
+    /// cached and generated, slot-seconds, energy where measured, queue wait p50/p95, 503s).
+    Usage(UsageArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct UsageArgs {
+    /// The access log guard writes where `[log] access` says in guard.toml.
+    #[arg(long, default_value = usage::DEFAULT_LOG)]
+    pub log: PathBuf,
+    /// How far back: a duration such as 24h, 90m, 7d or 30s (a day is 24 hours), or all.
+    #[arg(long, default_value = "24h")]
+    pub since: usage::Since,
+    /// One row per value of this (records without one: the row `-`).
+    #[arg(
+        long,
+        default_value = "unit",
+        value_parser = PossibleValuesParser::new(usage::By::NAMES)
+            .try_map(|by| by.parse::<usage::By>())
+    )]
+    pub by: usage::By,
+    /// table (the table leaves out outcomes no request had), csv, or json (one array of rows).
+    #[arg(
+        long,
+        default_value = "table",
+        value_parser = PossibleValuesParser::new(usage::Format::NAMES)
+            .try_map(|format| format.parse::<usage::Format>())
+    )]
+    pub format: usage::Format,
 }
 
 #[derive(Debug, clap::Args)]

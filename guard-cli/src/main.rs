@@ -6,13 +6,13 @@ use std::{io::IsTerminal as _, path::PathBuf, process::ExitCode};
 
 use anyhow::Context as _;
 use clap::Parser as _;
-use cli::{BenchArgs, Cli, Command, LogbookCommand};
+use cli::{BenchArgs, Cli, Command, LogbookCommand, UsageArgs};
 use guard::{
     config::{self, Config, ConfigError},
     daemon, privileges,
     throttle::{self, state::Restored},
 };
-use guard_tools::{doctor, logbook, status};
+use guard_tools::{doctor, logbook, status, usage};
 
 mod cli;
 
@@ -102,6 +102,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 ExitCode::FAILURE
             })
         }
+        Command::Usage(args) => usage_command(&args),
     }
 }
 
@@ -207,6 +208,23 @@ fn logbook_command(path: &std::path::Path, command: LogbookCommand) -> anyhow::R
                 .with_context(|| format!("writing {}", out.display()))?;
             println!("wrote {}", out.display());
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `guard usage`: the ledger on standard output, the lines that were not records counted on
+/// standard error.
+fn usage_command(args: &UsageArgs) -> anyhow::Result<ExitCode> {
+    let query = usage::Query::until_now(args.by, args.since);
+    let ledger = usage::read(&args.log, &query)?;
+    print!("{}", usage::render(&ledger, args.by, args.format)?);
+    if ledger.skipped > 0 {
+        let lines = if ledger.skipped == 1 { "line" } else { "lines" };
+        eprintln!(
+            "guard usage: skipped {} {lines} of {} that are not access log records",
+            ledger.skipped,
+            args.log.display()
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

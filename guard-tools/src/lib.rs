@@ -1,6 +1,6 @@
 //! guard's tools beside the daemon: the benchmark logbook (`guard bench`, `guard logbook`),
-//! `guard doctor`, `guard status`'s tables, `guard exec`, and the entry points the fuzzers
-//! drive. The daemon (the `guard` crate) never depends on them.
+//! `guard doctor`, `guard status`'s tables, `guard usage`'s ledger, `guard exec`, and the entry
+//! points the fuzzers drive. The daemon (the `guard` crate) never depends on them.
 
 #![forbid(unsafe_code)]
 
@@ -9,3 +9,4 @@ pub mod exec;
 pub mod fuzz;
 pub mod logbook;
 pub mod status;
+pub mod usage;
