@@ -1,4 +1,5 @@
-//! `guard doctor`: one line per thing guard needs from this host, ok or missing with the fix.
+//! `guard doctor`: one line per thing guard needs from this host, ok or missing with the fix
+//! (or a notice, for what guard does without).
 
 use std::{
     net::{SocketAddr, TcpStream},
@@ -6,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use guard::{config::Config, reap::ebpf};
+use guard::{config::Config, reap::ebpf, watch::energy::EnergyReader};
 
 /// One check's outcome.
 pub struct Check {
@@ -27,6 +28,12 @@ pub enum Missing {
          (guard_gpu_available 0). Install the driver where there is a GPU."
     )]
     NoNvml,
+    /// A notice: guard serves as well without it.
+    #[error(
+        "no energy counter here ({why}): the access log and guard_energy_joules_total carry \
+         no energy"
+    )]
+    NoEnergy { why: String },
     #[error("{authority} cannot be resolved")]
     Resolve {
         authority: String,
@@ -53,6 +60,13 @@ pub enum Missing {
     },
 }
 
+impl Missing {
+    /// Whether it is said and passed over: doctor's exit status ignores it.
+    pub fn is_notice(&self) -> bool {
+        matches!(self, Self::NoEnergy { .. })
+    }
+}
+
 /// Runs every check against `config`.
 pub fn run(config: &Config) -> Vec<Check> {
     let mut checks: Vec<Check> = ebpf::preflight()
@@ -74,6 +88,10 @@ pub fn run(config: &Config) -> Vec<Check> {
     checks.push(Check {
         name: "NVIDIA GPU (NVML)",
         result: nvml(),
+    });
+    checks.push(Check {
+        name: "energy per request",
+        result: energy(&EnergyReader::open_host()),
     });
     checks.push(Check {
         name: "upstream",
@@ -123,6 +141,7 @@ pub fn render(checks: &[Check]) -> (String, bool) {
     for check in checks {
         let (word, text) = match &check.result {
             Ok(text) => ("ok     ", text.clone()),
+            Err(missing) if missing.is_notice() => ("notice ", guard::error_chain(missing)),
             Err(missing) => {
                 all_ok = false;
                 ("missing", guard::error_chain(missing))
@@ -205,6 +224,19 @@ fn nvml() -> Result<String, Missing> {
         .ok_or(Missing::NoNvml)
 }
 
+/// The counter guard shares among requests by their slot time, or that there is none.
+fn energy(reader: &EnergyReader) -> Result<String, Missing> {
+    match reader.source() {
+        Some(_) => Ok(format!(
+            "{}: each request's share in the access log and guard_energy_joules_total",
+            reader.describe()
+        )),
+        None => Err(Missing::NoEnergy {
+            why: reader.describe(),
+        }),
+    }
+}
+
 /// How a preemptible class's requests go on: from the exact token ids where the upstream is
 /// llama-server (its `/props` answers with a build), else from their text.
 fn resume(config: &Config) -> String {
@@ -264,4 +296,53 @@ fn upstream(config: &Config) -> Result<String, Missing> {
             url: config.upstream.url.to_string(),
             source,
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn energy_names_its_zone_or_is_a_notice_that_passes() {
+        let root = std::env::temp_dir().join(format!("guard-doctor-rapl-{}", std::process::id()));
+        let zone = root.join("intel-rapl:0");
+        std::fs::create_dir_all(&zone).expect("zone");
+        std::fs::write(zone.join("name"), "package-0\n").expect("name");
+        std::fs::write(zone.join("energy_uj"), "42\n").expect("energy");
+        let found = energy(&EnergyReader::new(None, &root)).expect("a zone");
+        assert!(
+            found.contains("RAPL powercap") && found.contains("intel-rapl:0 (package-0)"),
+            "{found}"
+        );
+        std::fs::remove_dir_all(&root).expect("clean up");
+
+        let checks = [
+            Check {
+                name: "cgroups",
+                result: Ok("v2".to_owned()),
+            },
+            Check {
+                name: "energy per request",
+                result: energy(&EnergyReader::new(None, &root)),
+            },
+        ];
+        let (text, all_ok) = render(&checks);
+        let line = text
+            .lines()
+            .find(|l| l.contains("energy"))
+            .expect("energy line");
+        assert!(
+            line.starts_with("notice ") && line.contains("carry no energy"),
+            "{line}"
+        );
+        assert!(
+            all_ok,
+            "a missing energy counter does not fail doctor:\n{text}"
+        );
+        let failing = [Check {
+            name: "cgroups",
+            result: Err(Missing::NoCgroups),
+        }];
+        assert!(!render(&failing).1);
+    }
 }

@@ -25,6 +25,7 @@ use guard::{
         api::{self, llama, ollama, openai},
         frames::{Events, StreamFormat},
     },
+    watch::energy::{EnergyReader, POWERCAP_ROOT},
 };
 
 /// What `guard bench` was asked to do.
@@ -273,10 +274,9 @@ fn token_text(api: Api, json: &[u8], tokens: &mut u64) -> Option<String> {
 struct Meters {
     stop: Arc<AtomicBool>,
     peak_rss: Arc<AtomicU64>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    rapl_before: Option<u64>,
-    nvml: Option<nvml_wrapper::Nvml>,
-    gpu_energy_before: Option<u64>,
+    /// Joules over the run, from guard's own energy reader (NVML, else RAPL).
+    thread: Option<std::thread::JoinHandle<Option<f64>>>,
+    gpu: bool,
     peak_gpu: Arc<AtomicU64>,
     started: Instant,
 }
@@ -286,22 +286,28 @@ impl Meters {
         let stop = Arc::new(AtomicBool::new(false));
         let peak_rss = Arc::new(AtomicU64::new(0));
         let peak_gpu = Arc::new(AtomicU64::new(0));
-        let nvml = nvml_wrapper::Nvml::init().ok();
-        let gpu_energy_before = nvml.as_ref().and_then(gpu_energy_mj);
+        let nvml = nvml_wrapper::Nvml::init().ok().map(Arc::new);
+        let gpu = nvml.is_some();
+        // Counts from here; read while the run goes on, so that no counter wraps unseen.
+        let mut energy = EnergyReader::new(nvml.clone(), Path::new(POWERCAP_ROOT));
         let thread = {
             let (stop, peak_rss, peak_gpu) = (
                 Arc::clone(&stop),
                 Arc::clone(&peak_rss),
                 Arc::clone(&peak_gpu),
             );
-            let nvml_sampler = nvml_wrapper::Nvml::init().ok();
             std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
+                let mut joules = None;
+                loop {
                     if let Some(rss) = pid.and_then(rss_bytes) {
                         peak_rss.fetch_max(rss, Ordering::Relaxed);
                     }
-                    if let Some(used) = nvml_sampler.as_ref().and_then(gpu_memory_used) {
+                    if let Some(used) = nvml.as_deref().and_then(gpu_memory_used) {
                         peak_gpu.fetch_max(used, Ordering::Relaxed);
+                    }
+                    joules = energy.read().or(joules);
+                    if stop.load(Ordering::Relaxed) {
+                        return joules;
                     }
                     // A sampling period, not a wait for an event.
                     std::thread::sleep(Duration::from_millis(100));
@@ -312,9 +318,7 @@ impl Meters {
             stop,
             peak_rss,
             thread: Some(thread),
-            rapl_before: rapl_uj(),
-            nvml,
-            gpu_energy_before,
+            gpu,
             peak_gpu,
             started: Instant::now(),
         }
@@ -323,9 +327,11 @@ impl Meters {
     /// (peak RSS, peak GPU memory, energy J, mean power W).
     fn finish(mut self) -> (Maybe, Maybe, Maybe, Maybe) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        let joules = self
+            .thread
+            .take()
+            .and_then(|thread| thread.join().ok())
+            .flatten();
         let seconds = self.started.elapsed().as_secs_f64();
         let rss = self.peak_rss.load(Ordering::Relaxed);
         let rss = if rss > 0 {
@@ -333,21 +339,10 @@ impl Meters {
         } else {
             Maybe::unavailable()
         };
-        let gpu = match &self.nvml {
-            Some(_) => Maybe::Value(self.peak_gpu.load(Ordering::Relaxed) as f64),
-            None => Maybe::unavailable(),
-        };
-        let rapl = self
-            .rapl_before
-            .zip(rapl_uj())
-            .map(|(a, b)| b.saturating_sub(a) as f64 / 1e6);
-        let gpu_energy = self
-            .gpu_energy_before
-            .zip(self.nvml.as_ref().and_then(gpu_energy_mj))
-            .map(|(a, b)| b.saturating_sub(a) as f64 / 1e3);
-        let joules = match (rapl, gpu_energy) {
-            (None, None) => None,
-            (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
+        let gpu = if self.gpu {
+            Maybe::Value(self.peak_gpu.load(Ordering::Relaxed) as f64)
+        } else {
+            Maybe::unavailable()
         };
         let energy = joules.map_or_else(Maybe::unavailable, Maybe::Value);
         let power = joules.map_or_else(Maybe::unavailable, |j| Maybe::Value(j / seconds.max(1e-3)));
@@ -358,36 +353,6 @@ impl Meters {
 fn rss_bytes(pid: i32) -> Option<u64> {
     let stat = procfs::process::Process::new(pid).ok()?.stat().ok()?;
     Some(stat.rss * procfs::page_size())
-}
-
-/// CPU package energy from RAPL (all intel-rapl domains at the top level), in microjoules.
-fn rapl_uj() -> Option<u64> {
-    let dir = std::fs::read_dir("/sys/class/powercap").ok()?;
-    let mut total = None;
-    for entry in dir.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with("intel-rapl:") && name.matches(':').count() == 1 {
-            let value: Option<u64> = std::fs::read_to_string(entry.path().join("energy_uj"))
-                .ok()?
-                .trim()
-                .parse()
-                .ok();
-            total = Some(total.unwrap_or(0) + value?);
-        }
-    }
-    total
-}
-
-fn gpu_energy_mj(nvml: &nvml_wrapper::Nvml) -> Option<u64> {
-    let count = nvml.device_count().ok()?;
-    (0..count)
-        .map(|i| {
-            nvml.device_by_index(i)
-                .ok()?
-                .total_energy_consumption()
-                .ok()
-        })
-        .sum()
 }
 
 fn gpu_memory_used(nvml: &nvml_wrapper::Nvml) -> Option<u64> {

@@ -6,7 +6,7 @@
 use std::marker::PhantomData;
 
 use prometheus::{
-    GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts,
+    CounterVec, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts,
     core::{Collector, MetricVec, MetricVecBuilder},
 };
 
@@ -67,6 +67,13 @@ impl<L: Labels, P: MetricVecBuilder + 'static> Family<L, MetricVec<P>> {
 impl<L: Labels> Family<L, IntCounterVec> {
     pub fn counter(name: &str, help: &str) -> Self {
         Self::new(IntCounterVec::new(Opts::new(name, help), L::NAMES).expect("valid counter"))
+    }
+}
+
+impl<L: Labels> Family<L, CounterVec> {
+    /// A counter of a measured quantity (joules), which integers would round away.
+    pub fn float_counter(name: &str, help: &str) -> Self {
+        Self::new(CounterVec::new(Opts::new(name, help), L::NAMES).expect("valid counter"))
     }
 }
 

@@ -5,8 +5,8 @@ pub mod labels;
 mod server;
 
 use prometheus::{
-    Encoder as _, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
-    IntGauge, IntGaugeVec, Registry, TextEncoder,
+    CounterVec, Encoder as _, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter,
+    IntCounterVec, IntGauge, IntGaugeVec, Registry, TextEncoder,
 };
 
 pub use family::Family;
@@ -14,6 +14,8 @@ use labels::*;
 
 /// Integer counters, told apart by the label set `L`.
 pub type Counters<L> = Family<L, IntCounterVec>;
+/// Counters of a measured quantity (joules).
+pub type FloatCounters<L> = Family<L, CounterVec>;
 /// Integer gauges.
 pub type IntGauges<L> = Family<L, IntGaugeVec>;
 /// Gauges of a measured value.
@@ -95,6 +97,8 @@ pub struct Metrics {
     pub connections_parked: IntGauge,
     pub connections_refused_total: Counters<ByListener>,
     pub access_log_dropped_total: IntCounter,
+    /// Written only where the box measures energy (`watch::energy`): elsewhere it has no series.
+    pub energy_joules_total: FloatCounters<ByClass>,
 }
 
 impl Metrics {
@@ -302,6 +306,10 @@ impl Metrics {
                 "Access log lines that could not be queued or written (a slow or full disk); the requests were served.",
             )
             .expect("valid counter"),
+            energy_joules_total: Family::float_counter(
+                "guard_energy_joules_total",
+                "Energy the box measured (NVML total energy, else RAPL package energy) shared among the requests holding upstream slots, each tick's by the slots held; energy while no slot is held is nobody's. Absent where neither counter exists.",
+            ),
             registry,
         };
         metrics.register_all();
@@ -355,6 +363,7 @@ impl Metrics {
             Box::new(self.connections_parked.clone()),
             self.connections_refused_total.collector(),
             Box::new(self.access_log_dropped_total.clone()),
+            self.energy_joules_total.collector(),
         ];
         for collector in collectors {
             self.registry
@@ -387,6 +396,14 @@ impl Metrics {
         self.inflight.of(&Class { class }).set(running as i64);
     }
 
+    /// A request's share of the measured energy, to its class. A share that is not a
+    /// positive number adds nothing (a counter only grows).
+    pub fn add_energy(&self, class: &str, joules: f64) {
+        if joules.is_finite() && joules > 0.0 {
+            self.energy_joules_total.of(&Class { class }).inc_by(joules);
+        }
+    }
+
     /// Brings a counter that mirrors a monotonic source (a kernel counter) up to `value`.
     pub fn mirror(counter: &IntCounter, value: u64) {
         let current = counter.get();
@@ -408,5 +425,27 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn energy_is_absent_until_written_and_counts_joules() {
+        let metrics = Metrics::new();
+        assert!(!metrics.render().contains("guard_energy_joules_total"));
+        metrics.add_energy("batch", 1.25);
+        metrics.add_energy("batch", 0.5);
+        for nothing in [0.0, -2.0, f64::NAN, f64::INFINITY] {
+            metrics.add_energy("batch", nothing);
+        }
+        let text = metrics.render();
+        assert!(
+            text.contains("guard_energy_joules_total{class=\"batch\"} 1.75"),
+            "{text}"
+        );
+        assert!(text.contains("# TYPE guard_energy_joules_total counter"));
     }
 }

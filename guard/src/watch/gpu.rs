@@ -5,6 +5,8 @@
 //! Reading the device and turning a reading into metrics are separate, so the second is
 //! tested without a GPU.
 
+use std::sync::Arc;
+
 use nvml_wrapper::{Nvml, enum_wrappers::device::TemperatureSensor, enums::device::UsedGpuMemory};
 use prometheus::IntGauge;
 
@@ -164,7 +166,8 @@ fn registered<L: Labels>(metrics: &Metrics, family: Gauges<L>) -> Gauges<L> {
 }
 
 pub struct GpuWatcher {
-    nvml: Option<Nvml>,
+    /// Shared with the energy reader: NVML is loaded once.
+    nvml: Option<Arc<Nvml>>,
     unavailable: Option<String>,
     metrics: GpuMetrics,
 }
@@ -177,7 +180,7 @@ impl GpuWatcher {
             Ok(nvml) => {
                 tracing::info!("NVML loaded: GPU metrics on");
                 Self {
-                    nvml: Some(nvml),
+                    nvml: Some(Arc::new(nvml)),
                     unavailable: None,
                     metrics,
                 }
@@ -196,6 +199,11 @@ impl GpuWatcher {
                 }
             }
         }
+    }
+
+    /// NVML as loaded here, for the other readers of the GPUs.
+    pub fn nvml(&self) -> Option<Arc<Nvml>> {
+        self.nvml.clone()
     }
 
     pub fn sample(&mut self) -> GpusReading {

@@ -1,8 +1,10 @@
 //! Watching what fails quietly: swap, memory pressure, the upstream process, GPUs (NVML), and
-//! the upstream's own state (partial CPU offload, cold loads, models served from elsewhere).
+//! the upstream's own state (partial CPU offload, cold loads, models served from elsewhere);
+//! and the box's energy, shared among the requests that hold upstream slots.
 //!
 //! Each watcher turns readings into metrics and into [`Signals`] the risk detector reads.
 
+pub mod energy;
 pub mod gpu;
 pub mod host;
 pub mod upstream;
@@ -45,6 +47,8 @@ pub struct Watched {
     pub remote_models: upstream::RemoteModels,
     /// Model names the config spells out.
     named_models: Mutex<std::collections::BTreeSet<String>>,
+    /// Joules per held slot, for each request's share of the energy.
+    pub energy: Arc<energy::EnergyIndex>,
 }
 
 impl Watched {
@@ -96,6 +100,47 @@ impl Watched {
     }
 }
 
+/// The watchers that read synchronous sources (procfs, sysfs, NVML), run off the reactor.
+struct Samplers {
+    host: host::HostWatcher,
+    gpu: gpu::GpuWatcher,
+    energy: energy::EnergySampler,
+    /// The slots held now (the scheduler's running requests).
+    held: upstream::RunningFn,
+}
+
+impl Samplers {
+    fn sample(&mut self) -> (host::HostReading, gpu::GpusReading) {
+        crate::memory::trim();
+        let host = self.host.sample();
+        let gpu = self.gpu.sample();
+        self.energy.sample((self.held)());
+        (host, gpu)
+    }
+}
+
+/// The energy reader over the GPU watcher's NVML, else the host's RAPL zones.
+fn energy_sampler(
+    config: &Config,
+    metrics: &Metrics,
+    gpu: &gpu::GpuWatcher,
+) -> energy::EnergySampler {
+    let reader = energy::EnergyReader::new(gpu.nvml(), std::path::Path::new(energy::POWERCAP_ROOT));
+    let sampler = energy::EnergySampler::new(reader);
+    let index = sampler.index();
+    match index.source() {
+        Some(source) => {
+            tracing::info!(source = source.as_str(), from = %sampler.describe(), "energy per request on");
+        }
+        None => tracing::info!(
+            "no energy counter ({}): requests carry no energy",
+            sampler.describe()
+        ),
+    }
+    index.init_classes(metrics, config.class.keys().map(String::as_str));
+    sampler
+}
+
 /// Starts every watcher; they run until the runtime stops.
 pub fn spawn(
     config: &Config,
@@ -103,11 +148,19 @@ pub fn spawn(
     upstream: Client,
     running: upstream::RunningFn,
 ) -> Arc<Watched> {
-    let watched = Arc::new(Watched::default());
+    let gpu = gpu::GpuWatcher::new(metrics);
+    let mut samplers = Samplers {
+        host: host::HostWatcher::new(metrics, config),
+        energy: energy_sampler(config, metrics, &gpu),
+        gpu,
+        held: Arc::clone(&running),
+    };
+    let watched = Arc::new(Watched {
+        energy: samplers.energy.index(),
+        ..Watched::default()
+    });
     watched.set_named_models(config);
     let interval = Duration::from_millis(config.watch.interval_ms);
-    let mut host = host::HostWatcher::new(metrics, config);
-    let mut gpu = gpu::GpuWatcher::new(metrics);
     let mut upstream = upstream::UpstreamWatcher::new(metrics, config, upstream, running);
     let shared = Arc::clone(&watched);
     tokio::spawn(async move {
@@ -115,17 +168,15 @@ pub fn spawn(
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             ticks.tick().await;
-            // procfs and NVML reads are quick synchronous syscalls; run them off the reactor.
-            let (host_back, gpu_back, readings) = tokio::task::spawn_blocking(move || {
-                crate::memory::trim();
-                let host_reading = host.sample();
-                let gpu_reading = gpu.sample();
-                (host, gpu, (host_reading, gpu_reading))
+            // procfs, sysfs and NVML reads are quick synchronous syscalls; run them off the
+            // reactor.
+            let (back, readings) = tokio::task::spawn_blocking(move || {
+                let readings = samplers.sample();
+                (samplers, readings)
             })
             .await
             .unwrap_or_else(|err| std::panic::resume_unwind(err.into_panic()));
-            host = host_back;
-            gpu = gpu_back;
+            samplers = back;
             let (host_reading, gpu_reading) = readings;
             {
                 let mut signals = shared
