@@ -304,3 +304,105 @@ impl Drop for Unmount {
         let _ = std::process::Command::new("umount").arg(&self.0).status();
     }
 }
+
+/// Requests from two real processes in two cgroups, one started by `guard exec --class batch`
+/// and one in a scope of its own: `guard usage --by unit` names each with its requests, and
+/// the rows sum to the log.
+#[tokio::test(flavor = "multi_thread")]
+async fn usage_by_unit_names_each_process_and_sums_to_the_log() {
+    guard_tests::require_root();
+    let _serial = serial().await;
+    let root = guard_tests::cgroup2_root();
+    let slice = guard_tests::TestCgroup::new(&root, "guard-usage.slice");
+    let batch = slice.path.join("batch.scope");
+    let scope = guard_tests::TestCgroup::new(&slice.path, "run-u4242.scope");
+    let dir = TempDir::new("guard-access-usage");
+    let log = dir.0.join("access.log");
+    let upstream = Upstream::start().await;
+    let config = format!(
+        "[log]\naccess = \"{}\"\n[class.interactive]\npriority = 0\n\
+         [class.batch]\npriority = 10\ncgroup = \"{}\"\n",
+        log.display(),
+        batch.display()
+    );
+    let guard = GuardProcess::start(upstream.addr(), "openai", &config);
+    let _batch = guard_tests::TestCgroup {
+        path: batch.clone(),
+    };
+    let curl = curl_command(&guard, &dir.0);
+    for _ in 0..3 {
+        let exec = format!(
+            "exec {} exec --config {} --class batch -- sh -c \"{curl}\"",
+            guard_tests::guard_bin().display(),
+            guard.config_path.display()
+        );
+        run_sh(&exec);
+    }
+    for _ in 0..2 {
+        run_sh(&format!(
+            "echo $$ > {}/cgroup.procs && {curl}",
+            scope.path.display()
+        ));
+    }
+    let lines = records(&log, 5).await;
+    let usage = std::process::Command::new(guard_tests::guard_bin())
+        .args([
+            "usage", "--by", "unit", "--since", "all", "--format", "json", "--log",
+        ])
+        .arg(&log)
+        .output()
+        .expect("guard usage");
+    assert!(
+        usage.status.success(),
+        "{}",
+        String::from_utf8_lossy(&usage.stderr)
+    );
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&usage.stdout).expect("JSON rows");
+    let row = |unit: &str| {
+        rows.iter()
+            .find(|r| r["unit"] == unit)
+            .unwrap_or_else(|| panic!("no row {unit}: {rows:#?}"))
+            .clone()
+    };
+    assert_eq!(row("batch.scope")["requests"], 3, "{rows:#?}");
+    let scope_unit = scope
+        .path
+        .file_name()
+        .expect("a name")
+        .to_string_lossy()
+        .into_owned();
+    assert_eq!(row(&scope_unit)["requests"], 2, "{rows:#?}");
+    let units: Vec<&serde_json::Value> = rows.iter().filter(|r| r["unit"] != "total").collect();
+    assert_eq!(units.len(), 2, "two clients: {rows:#?}");
+    let sum = |field: &str| {
+        units
+            .iter()
+            .map(|r| r[field].as_u64().unwrap_or(0))
+            .sum::<u64>()
+    };
+    assert_eq!(sum("requests"), lines.len() as u64);
+    let logged: u64 = lines.iter().map(|l| l.tokens.generated.unwrap_or(0)).sum();
+    assert_eq!(sum("generated_tokens"), logged);
+    assert_eq!(row("total")["requests"], lines.len() as u64);
+}
+
+/// A curl that posts one chat (the body in a file) to guard and fails unless it is answered
+/// 200.
+fn curl_command(guard: &GuardProcess, dir: &Path) -> String {
+    let body = dir.join("body.json");
+    std::fs::write(&body, Script::new(Mode::Complete).json().to_string()).expect("the body");
+    format!(
+        "curl -sf -o /dev/null -H 'content-type: application/json' --data-binary @{} \
+         http://{}/v1/chat/completions",
+        body.display(),
+        guard.listen
+    )
+}
+
+fn run_sh(script: &str) {
+    let status = std::process::Command::new("sh")
+        .args(["-c", script])
+        .status()
+        .expect("sh");
+    assert!(status.success(), "{script}");
+}

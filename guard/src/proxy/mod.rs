@@ -140,7 +140,7 @@ impl Proxy {
             metrics: parts.metrics,
             scheduler: parts.scheduler,
             tracker: parts.tracker,
-            remote_models: parts.watched,
+            watched: parts.watched,
             ttft: parts.ttft,
             tally: parts.tally,
             throughput: parts.throughput,
@@ -173,7 +173,7 @@ impl Proxy {
         queued
             .budget
             .set_cap(config.server.max_body_bytes_in_flight);
-        queued.remote_models.set_named_models(config);
+        queued.watched.set_named_models(config);
         self.connections
             .set_half_close_means_gone(config.server.half_close_means_gone);
         let settings = Settings::from(config);

@@ -245,6 +245,8 @@ pub struct Job<'a> {
     /// The steady decode rate, as the server said or guard saw it.
     pub tokens_per_second: Option<f64>,
     pub preemptions: &'a Preemptions,
+    /// Its share of the energy the box measured while it held its slot, where it measures.
+    pub joules: Option<f64>,
 }
 
 /// What the record needs besides the outcome.
@@ -442,6 +444,9 @@ fn record_job(metrics: &Metrics, class: &str, job: &Job<'_>) {
     if let Some(rate) = job.tokens_per_second {
         let series = metrics.generation_tokens_per_second.of(&Class { class });
         series.observe(rate);
+    }
+    if let Some(joules) = job.joules {
+        metrics.add_energy(class, joules);
     }
     let paid = job.preemptions;
     if let Some(kind) = paid.kind {

@@ -49,8 +49,10 @@ impl Account {
         (self.method, self.path) = method_and_path(&head.method, &head.uri);
     }
 
-    pub(super) fn add_energy(&mut self, joules: Option<f64>) {
-        if let Some(joules) = joules {
+    /// Adds what one hold of a slot used.
+    pub(super) fn held(&mut self, held: &super::Used) {
+        self.slot += held.time;
+        if let Some(joules) = held.joules {
             *self.energy.get_or_insert(0.0) += joules;
         }
     }

@@ -62,7 +62,8 @@ pub(in crate::proxy) struct Shared {
     pub scheduler: Arc<Scheduler>,
     pub tracker: Option<Arc<EbpfTracker>>,
     pub budget: Arc<BodyBudget>,
-    pub remote_models: Arc<Watched>,
+    /// What the watchers know: remote models, model labels, the energy index.
+    pub watched: Arc<Watched>,
     /// Where first-byte times go for the risk detector.
     pub ttft: Arc<TtftWindow>,
     pub tally: Arc<Tally>,
@@ -196,18 +197,26 @@ enum Place {
 struct Running {
     permit: Permit,
     exchange: Option<Exchange>,
-    /// When it took the slot.
+    /// When it took the slot, and the energy index then (where the box measures energy).
     since: Instant,
+    energy_at: Option<f64>,
 }
 
 impl Running {
-    fn new(permit: Permit) -> Self {
+    fn new(permit: Permit, shared: &Shared) -> Self {
         Self {
             permit,
             exchange: None,
             since: Instant::now(),
+            energy_at: shared.watched.energy.now(),
         }
     }
+}
+
+/// What a slot's holder used while it held it: time, and its share of the box's energy.
+struct Used {
+    time: Duration,
+    joules: Option<f64>,
 }
 
 impl Place {
@@ -221,16 +230,24 @@ impl Place {
 
     /// Gives its slot back: a running request is queued again (or about to end). Its
     /// exchange ends first (the socket closes): only an exchange that is over frees its slot.
-    /// Returns the permit and how long the slot was held.
-    fn give_back(&mut self) -> Option<(Permit, Duration)> {
+    /// Returns the permit and what holding the slot used.
+    fn give_back(&mut self, shared: &Shared) -> Option<(Permit, Used)> {
         match std::mem::replace(self, Self::Queued) {
             Self::Running(Running {
                 permit,
                 exchange,
                 since,
+                energy_at,
             }) => {
                 drop(exchange);
-                Some((permit, since.elapsed()))
+                let joules = energy_at
+                    .zip(shared.watched.energy.now())
+                    .map(|(at, now)| now - at);
+                let held = Used {
+                    time: since.elapsed(),
+                    joules,
+                };
+                Some((permit, held))
             }
             other => {
                 *self = other;
@@ -410,7 +427,7 @@ impl QueuedRequest {
     /// The request's model as the metrics name it (a bounded set).
     fn model_label(&self) -> String {
         let model = self.model.as_deref().unwrap_or_default();
-        self.shared.remote_models.model_label(model).to_owned()
+        self.shared.watched.model_label(model).to_owned()
     }
 
     /// A dispatched request as a job, valid when it completed with the server's own end
@@ -444,6 +461,7 @@ impl QueuedRequest {
             usage,
             tokens_per_second: usage.decode_per_second.or(measured),
             preemptions: &self.preemptions,
+            joules: self.account.energy,
         })
     }
 
@@ -485,8 +503,8 @@ impl QueuedRequest {
     /// exchange that is over frees its slot. A completed one teaches the estimator.
     fn free_upstream(&mut self, completed: bool) {
         self.held = None;
-        if let Some((permit, held)) = self.place.give_back() {
-            self.account.slot += held;
+        if let Some((permit, held)) = self.place.give_back(&self.shared) {
+            self.account.held(&held);
             if completed {
                 let usage = self.usage.unwrap_or_default();
                 permit.complete(usage.generated, usage.decode_per_second);

@@ -104,6 +104,11 @@ impl QueuedRequest {
     pub(super) async fn phases(&mut self, request: Request<Inbound>) -> Phase<Ending> {
         let (mut head, body) = request.into_parts();
         self.account.head(&head);
+        if self.shared.access.is_on() {
+            // Looked up on arrival, while the client's process surely still exists; cached on
+            // its connection.
+            client_process(&self.shared, &self.connection);
+        }
         // Until the body is read, the class is the one the head alone points to (rules on the
         // model need the body): its body-read limit applies.
         if let Ok(class) = self.decide(&head, None, false) {
@@ -288,7 +293,7 @@ impl QueuedRequest {
             return Ok(());
         };
         if self.settings.remote_allowed.contains(class)
-            || !self.shared.remote_models.remote_models.is_remote(model)
+            || !self.shared.watched.remote_models.is_remote(model)
         {
             return Ok(());
         }
@@ -368,7 +373,7 @@ impl QueuedRequest {
                     waited_ms = waited.as_millis() as u64,
                     "dispatched"
                 );
-                self.place = Place::Running(Running::new(permit));
+                self.place = Place::Running(Running::new(permit, &self.shared));
                 Ok(())
             }
             Err(rejection) => Err(Ending::Told(ProxyError::Rejected {

@@ -172,10 +172,10 @@ impl QueuedRequest {
         let class = self.class.clone().unwrap_or_default();
         let stopped = proxy.metrics.preempted_total.of(&Class { class: &class });
         stopped.inc();
-        let Some((permit, held)) = self.place.give_back() else {
+        let Some((permit, held)) = self.place.give_back(&self.shared) else {
             return Err(Ending::Told(ProxyError::Internal));
         };
-        self.account.slot += held;
+        self.account.held(&held);
         tracing::debug!(class, tokens = tracked.generated(), "preempted");
         let ticket = permit.requeue(self.arrived);
         let watch = self.watch();
@@ -191,7 +191,7 @@ impl QueuedRequest {
                 retry_after: rejection.retry_after,
             })
         })?;
-        self.place = Place::Running(Running::new(permit));
+        self.place = Place::Running(Running::new(permit, &self.shared));
         self.preemptions.pauses.push(paused.elapsed());
         Box::pin(self.go_on(tracked, head)).await
     }

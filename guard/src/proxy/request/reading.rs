@@ -247,7 +247,7 @@ impl QueuedRequest {
     fn note_cold_load(&self, load: Duration) {
         let model = self
             .shared
-            .remote_models
+            .watched
             .model_label(self.model.as_deref().unwrap_or_default());
         let metrics = &self.shared.metrics;
         let by_model = Model { model };
