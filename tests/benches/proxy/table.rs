@@ -92,6 +92,7 @@ pub async fn run() {
     }
     rows.extend(cpu_rows(&stage, fixed.pid(), Duration::from_secs(seconds)));
     drop(stage);
+    rows.push(access_log_row(fixed.addr, Duration::from_secs(seconds)));
     let stage = Stage::new(frame_upstream());
     rows.push(frames_row(&stage).await);
     drop(stage);
@@ -166,6 +167,33 @@ fn cpu_rows(stage: &Stage, upstream_pid: u32, duration: Duration) -> [Row; 3] {
         row("  of it in user space (us)", |cpu| cpu.user),
         row("  of it in the kernel (us)", |cpu| cpu.system),
     ]
+}
+
+/// CPU per request at 64 clients of a guard that writes its access log (to a file), on both
+/// paths: beside the row above, what the log costs.
+fn access_log_row(upstream: SocketAddr, duration: Duration) -> Row {
+    let dir = guard_tests::TempDir::new("guard-bench-access");
+    let log = dir.0.join("access.log");
+    let config = format!("{GUARD}[log]\naccess = \"{}\"\n", log.display());
+    let guard = GuardProcess::start(upstream, "ollama", &config);
+    let wrk = Wrk {
+        connections: 64,
+        duration,
+        threads: 2,
+    };
+    let per_request = |path: &str| {
+        let before = cpu_time(guard.pid());
+        let load = wrk.run(guard.listen, path, CHAT);
+        let used = cpu_time(guard.pid()).since(before);
+        assert_eq!(load.errors, 0, "{path}: {load:?}");
+        Some(used.total().as_secs_f64() * 1e6 / load.requests.max(1) as f64)
+    };
+    let cells = [None, None, None, per_request("/api/chat"), per_request("/api/show")];
+    Row::new(
+        "  the same, access log on (us)".into(),
+        cells,
+        Better::Lower,
+    )
 }
 
 /// How a line's figures compare: higher is better, or lower is.
@@ -469,6 +497,14 @@ fn goals(rows: &[Row]) {
     println!(
         "   - per-frame cost <= nginx's: {}",
         both(&frames, nginx(&frames))
+    );
+    let off = find("CPU per request (us)");
+    let on = find("  the same, access log on");
+    let within = [3, 4].map(|i| on.cells[i].zip(off.cells[i]).map(|(on, off)| on / off));
+    println!(
+        "   - CPU per request with the access log on within 5 % of it off: {}: {}",
+        within.map(|r| r.map_or("-".into(), |r| format!("{:+.1} %", (r - 1.0) * 100.0))).join(", "),
+        verdict(within.iter().all(|r| r.is_some_and(|r| r <= 1.05)))
     );
     for label in ["1 GiB upload", "1 GiB download"] {
         let row = find(label);
