@@ -311,6 +311,11 @@ fn assert_guard_keeps_working(unit: &str) {
             "ReadWritePaths= lacks {path}"
         );
     }
+    assert_eq!(
+        unit_values(unit, "LogsDirectory"),
+        ["guard"],
+        "/var/log/guard is writable for the access log"
+    );
     for key in [
         "ProcSubset",
         "PrivateUsers",

@@ -17,6 +17,8 @@ const BINARY: &str = "usr/local/bin/guard";
 const CONFIG: &str = "etc/guard/guard.toml";
 /// Where the unit goes; it is ours, so a newer one replaces it.
 const UNIT: &str = "etc/systemd/system/guard.service";
+/// logrotate's rule for the access log; ours, so a newer one replaces it.
+const LOGROTATE: &str = "etc/logrotate.d/guard";
 /// guard's state directory (`risk.state_dir`): original cgroup values it must restore.
 const STATE_DIR: &str = "var/lib/guard";
 
@@ -37,6 +39,11 @@ pub fn install(root: Option<&Path>) -> Result<()> {
     replace_file(
         &workspace.join("deploy/systemd/guard.service"),
         &root.join(UNIT),
+        0o644,
+    )?;
+    replace_file(
+        &workspace.join("deploy/logrotate/guard"),
+        &root.join(LOGROTATE),
         0o644,
     )?;
     state_dir(&root.join(STATE_DIR))?;

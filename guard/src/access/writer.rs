@@ -58,13 +58,25 @@ impl Sink {
     }
 }
 
-/// Appends, creating the file readable by its group only (0640).
+/// Appends; a file it creates is readable by its group (0640), whatever the umask (the unit's
+/// is 0077). A file that exists keeps the mode its owner gave it.
 fn open_file(path: &Path) -> std::io::Result<File> {
-    OpenOptions::new()
-        .create(true)
+    use std::os::unix::fs::PermissionsExt as _;
+    let created = OpenOptions::new()
+        .create_new(true)
         .append(true)
         .mode(0o640)
-        .open(path)
+        .open(path);
+    match created {
+        Ok(file) => {
+            file.set_permissions(std::fs::Permissions::from_mode(0o640))?;
+            Ok(file)
+        }
+        Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => {
+            OpenOptions::new().append(true).open(path)
+        }
+        Err(err) => Err(err),
+    }
 }
 
 /// The request path's end of the access log; cheap to clone.

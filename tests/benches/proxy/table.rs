@@ -188,7 +188,13 @@ fn access_log_row(upstream: SocketAddr, duration: Duration) -> Row {
         assert_eq!(load.errors, 0, "{path}: {load:?}");
         Some(used.total().as_secs_f64() * 1e6 / load.requests.max(1) as f64)
     };
-    let cells = [None, None, None, per_request("/api/chat"), per_request("/api/show")];
+    let cells = [
+        None,
+        None,
+        None,
+        per_request("/api/chat"),
+        per_request("/api/show"),
+    ];
     Row::new(
         "  the same, access log on (us)".into(),
         cells,
@@ -503,7 +509,9 @@ fn goals(rows: &[Row]) {
     let within = [3, 4].map(|i| on.cells[i].zip(off.cells[i]).map(|(on, off)| on / off));
     println!(
         "   - CPU per request with the access log on within 5 % of it off: {}: {}",
-        within.map(|r| r.map_or("-".into(), |r| format!("{:+.1} %", (r - 1.0) * 100.0))).join(", "),
+        within
+            .map(|r| r.map_or("-".into(), |r| format!("{:+.1} %", (r - 1.0) * 100.0)))
+            .join(", "),
         verdict(within.iter().all(|r| r.is_some_and(|r| r <= 1.05)))
     );
     for label in ["1 GiB upload", "1 GiB download"] {

@@ -146,6 +146,6 @@ pub(in crate::proxy) fn method_and_path(
     uri: &http::Uri,
 ) -> (String, String) {
     let raw = uri.path();
-    let path = crate::route::normalize(raw).map_or_else(|_| raw.into(), |p| p);
+    let path = crate::route::normalize(raw).unwrap_or_else(|_| raw.into());
     (quote(method.as_str()), quote(bounded(&path)))
 }
