@@ -14,7 +14,10 @@
 //!
 //! 4. Where guard's time goes: a flame graph per path under 64 clients (target/flame/).
 //!
-//! `cargo xtask bench proxy table` (or `full`, `flood`, `flame`) runs one part;
+//! 5. What the access log costs: CPU per request with it on against off (`access`; the
+//!    table has the same two rows).
+//!
+//! `cargo xtask bench proxy table` (or `full`, `flood`, `access`, `flame`) runs one part;
 //! GUARD_BENCH_SECONDS sets each load's length (default 3).
 
 #[path = "proxy/flame.rs"]
@@ -44,6 +47,9 @@ fn main() {
         }
         if wanted("flood") {
             flood_ttft().await;
+        }
+        if wanted("access") {
+            table::access().await;
         }
         if wanted("flame") {
             flame::run();

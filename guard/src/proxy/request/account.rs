@@ -13,7 +13,7 @@ use crate::{
     reap::registry::Connection,
 };
 
-/// The longest path the log keeps (a longer one is cut, quoted as elsewhere).
+/// The longest path or cgroup the log keeps (a longer one is cut at a character boundary).
 const PATH_BYTES: usize = 256;
 
 /// A request's facts for its access log line, beside what its owner keeps anyway.
@@ -126,7 +126,10 @@ pub(in crate::proxy) fn identity(
     token: Option<String>,
 ) -> Identity {
     let peer = client_process(shared, connection);
-    let cgroup = peer.as_ref().and_then(|p| p.cgroup.clone());
+    let cgroup = peer
+        .as_ref()
+        .and_then(|p| p.cgroup.as_deref())
+        .map(|path| bounded(path).to_owned());
     Identity {
         uid: peer.as_ref().and_then(|p| p.uid),
         unit: cgroup
@@ -147,5 +150,5 @@ pub(in crate::proxy) fn method_and_path(
 ) -> (String, String) {
     let raw = uri.path();
     let path = crate::route::normalize(raw).unwrap_or_else(|_| raw.into());
-    (quote(method.as_str()), quote(bounded(&path)))
+    (quote(method.as_str()), bounded(&path).to_owned())
 }
