@@ -499,10 +499,10 @@ mod tests {
                 unit: unit.map(str::to_owned),
                 ..Identity::default()
             },
-            method: "POST".to_owned(),
+            method: "POST".into(),
             path: "/v1/chat/completions".to_owned(),
             status: 200,
-            outcome: "completed".to_owned(),
+            outcome: "completed".into(),
             duration_ms: 800.0,
             ..Record::default()
         }
@@ -510,8 +510,8 @@ mod tests {
 
     fn rejected(mut record: Record) -> Record {
         record.status = 503;
-        record.outcome = "rejected".to_owned();
-        record.reason = Some("queue_full".to_owned());
+        record.outcome = "rejected".into();
+        record.reason = Some("queue_full".into());
         record
     }
 
@@ -626,7 +626,7 @@ mod tests {
         served.slot_ms = Some(1_500.0);
         served.energy_joules = Some(12.5);
         let mut passed = record(2, Some("a"));
-        passed.outcome = "passed".to_owned();
+        passed.outcome = "passed".into();
         passed.status = 503;
         let records = [
             served.clone(),

@@ -4,7 +4,7 @@
 mod record;
 mod writer;
 
-pub use record::{Identity, Record, Tokens};
+pub use record::{Identity, Record, Tokens, Word};
 pub use writer::{AccessLog, OpenError};
 
 /// A request's id: 16 hex digits, unique in this process and unlikely across restarts.

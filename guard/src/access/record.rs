@@ -2,9 +2,13 @@
 //! Who sent it, what decided its class, how it ended and what it used; never a prompt, an
 //! answer or a token.
 
-use std::net::SocketAddr;
+use std::{borrow::Cow, net::SocketAddr};
 
 use serde::{Deserialize, Serialize};
+
+/// A word from a fixed set (an outcome, a reason, a stage, a method): borrowed where guard
+/// writes it, owned where a reader reads it back.
+pub type Word = Cow<'static, str>;
 
 /// One line of the access log (docs/design.md §7a).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -22,7 +26,7 @@ pub struct Record {
     /// What decided the class: a rule's name, `header` or `default`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decided_by: Option<String>,
-    pub method: String,
+    pub method: Word,
     /// The path as the upstream decodes it (bounded, quoted where it cannot be read).
     pub path: String,
     /// Within the metric labels' bounded set (`other` beyond it).
@@ -30,13 +34,13 @@ pub struct Record {
     pub model: Option<String>,
     pub status: u16,
     /// completed | rejected | reaped | failed | timed_out | invalid | refused | passed
-    pub outcome: String,
+    pub outcome: Word,
     /// Why it was rejected, failed, timed out or invalid (a metric label value).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
+    pub reason: Option<Word>,
     /// Where it was when it ended: arrival | queued | running.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stage: Option<String>,
+    pub stage: Option<Word>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue_ms: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

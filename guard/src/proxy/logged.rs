@@ -64,8 +64,8 @@ impl Line {
         } = self;
         record.time = Some(jiff::Timestamp::now());
         record.status = end.status;
-        record.outcome = end.outcome.to_owned();
-        record.reason = end.reason.map(str::to_owned);
+        record.outcome = end.outcome.into();
+        record.reason = end.reason.map(Into::into);
         record.bytes_in = end.bytes_in;
         record.bytes_out = end.bytes_out;
         record.duration_ms = duration_ms(started.elapsed());

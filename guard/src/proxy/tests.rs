@@ -471,7 +471,7 @@ async fn every_request_is_one_access_log_line_with_its_outcome() {
     };
     let done = line(&completed);
     assert_eq!(
-        (done.outcome.as_str(), done.status, done.class.as_deref()),
+        (&*done.outcome, done.status, done.class.as_deref()),
         ("completed", 200, Some("interactive"))
     );
     assert_eq!(
@@ -488,7 +488,7 @@ async fn every_request_is_one_access_log_line_with_its_outcome() {
     let idle = line(&stuck);
     assert_eq!(
         (
-            idle.outcome.as_str(),
+            &*idle.outcome,
             idle.reason.as_deref(),
             idle.stage.as_deref()
         ),
@@ -496,11 +496,7 @@ async fn every_request_is_one_access_log_line_with_its_outcome() {
     );
     let refused = line(&unknown);
     assert_eq!(
-        (
-            refused.outcome.as_str(),
-            refused.reason.as_deref(),
-            refused.status
-        ),
+        (&*refused.outcome, refused.reason.as_deref(), refused.status),
         ("invalid", Some("unknown_class"), 400)
     );
     let reaped = lines

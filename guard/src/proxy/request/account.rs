@@ -7,7 +7,7 @@ use http::request;
 
 use super::{QueuedRequest, Shared, phases::client_process};
 use crate::{
-    access::{Identity, Record, Tokens},
+    access::{Identity, Record, Tokens, Word},
     proxy::outcome::{Outcome, Stage},
     quote::quote,
     reap::registry::Connection,
@@ -21,7 +21,7 @@ const PATH_BYTES: usize = 256;
 pub(super) struct Account {
     /// Also sent to the client as `X-Guard-Request-Id`.
     pub(super) id: String,
-    method: String,
+    method: Word,
     path: String,
     /// The rule, header or default that decided the class.
     pub(super) decided_by: Option<String>,
@@ -93,9 +93,9 @@ impl QueuedRequest {
             path: account.path.clone(),
             model: self.model.as_ref().map(|_| self.model_label()),
             status: account.status.unwrap_or(CLIENT_CLOSED),
-            outcome: words.to_owned(),
-            reason: reason.map(str::to_owned),
-            stage: ended_at.map(str::to_owned),
+            outcome: words.into(),
+            reason: reason.map(Into::into),
+            stage: ended_at.map(Into::into),
             queue_ms: (stage != Stage::Arrival).then(|| ms(self.waited.unwrap_or(elapsed))),
             ttft_ms: self.ttft.map(ms),
             duration_ms: ms(elapsed),
@@ -144,11 +144,27 @@ pub(in crate::proxy) fn identity(
 
 /// A request's method and path as the log says them: quoted, the path as the upstream
 /// decodes it and bounded.
-pub(in crate::proxy) fn method_and_path(
-    method: &http::Method,
-    uri: &http::Uri,
-) -> (String, String) {
+pub(in crate::proxy) fn method_and_path(method: &http::Method, uri: &http::Uri) -> (Word, String) {
     let raw = uri.path();
     let path = crate::route::normalize(raw).unwrap_or_else(|_| raw.into());
-    (quote(method.as_str()), bounded(&path).to_owned())
+    (method_word(method), bounded(&path).to_owned())
+}
+
+/// A method's name: the standard ones borrowed, any other quoted.
+fn method_word(method: &http::Method) -> Word {
+    use http::Method;
+    const NAMES: [&str; 7] = ["GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"];
+    let known = [
+        Method::GET,
+        Method::POST,
+        Method::HEAD,
+        Method::PUT,
+        Method::DELETE,
+        Method::OPTIONS,
+        Method::PATCH,
+    ];
+    match known.iter().position(|m| m == method) {
+        Some(at) => Word::Borrowed(NAMES[at]),
+        None => Word::Owned(quote(method.as_str())),
+    }
 }
