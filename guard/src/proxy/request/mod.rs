@@ -330,6 +330,11 @@ impl QueuedRequest {
         respond: oneshot::Sender<Response<Body>>,
     ) -> Self {
         let timeouts = settings.timeouts(&settings.default_class);
+        // Nothing of the line is gathered while the access log is off.
+        let account = Account::new(match shared.access.is_on() {
+            true => crate::access::request_id(),
+            false => String::new(),
+        });
         Self {
             shared,
             settings,
@@ -350,7 +355,7 @@ impl QueuedRequest {
             endpoint: None,
             answer_is_json: None,
             preemptions: Preemptions::default(),
-            account: Account::new(crate::access::request_id()),
+            account,
             concluded: false,
         }
     }

@@ -103,8 +103,8 @@ fn too_large(limit: u64) -> Ending {
 impl QueuedRequest {
     pub(super) async fn phases(&mut self, request: Request<Inbound>) -> Phase<Ending> {
         let (mut head, body) = request.into_parts();
-        self.account.head(&head);
         if self.shared.access.is_on() {
+            self.account.head(&head);
             // Looked up on arrival, while the client's process surely still exists; cached on
             // its connection.
             client_process(&self.shared, &self.connection);
@@ -322,11 +322,13 @@ impl QueuedRequest {
             peer: &peer,
         })?;
         tracing::trace!(class = decision.class, by = %decision.by, "classified");
-        if last {
-            self.shared.tally.record(classifier, &decision);
+        if last && self.shared.access.is_on() {
             let account = &mut self.account;
             account.decided_by = Some(classifier.label(decision.by).to_owned());
             account.token = classifier.token_rule(&head.headers).map(str::to_owned);
+        }
+        if last {
+            self.shared.tally.record(classifier, &decision);
         }
         Ok(decision.class)
     }
