@@ -7,6 +7,16 @@ mod writer;
 pub use record::{Identity, Record, Tokens, Word};
 pub use writer::{AccessLog, OpenError};
 
+/// The header that tells the client its request's id (its access log line's `id`).
+const REQUEST_ID_HEADER: http::HeaderName = http::HeaderName::from_static("x-guard-request-id");
+
+/// Adds `X-Guard-Request-Id: id` to an answer.
+pub fn tag<B>(response: &mut http::Response<B>, id: &str) {
+    if let Ok(id) = http::HeaderValue::from_str(id) {
+        response.headers_mut().insert(REQUEST_ID_HEADER, id);
+    }
+}
+
 /// A request's id: 16 hex digits, unique in this process and unlikely across restarts.
 pub fn request_id() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};

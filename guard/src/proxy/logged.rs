@@ -3,7 +3,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use http::{HeaderValue, Method, Response, Uri};
+use http::{Method, Response, Uri};
 use tokio::time::Instant;
 
 use super::request::{Shared, identity, method_and_path};
@@ -11,8 +11,6 @@ use crate::{
     access::{AccessLog, Record},
     reap::registry::Connection,
 };
-
-const REQUEST_ID_HEADER: http::HeaderName = http::HeaderName::from_static("x-guard-request-id");
 
 /// A line begun when its request arrived; written by `finish`, once.
 pub(super) struct Line {
@@ -50,9 +48,7 @@ impl Line {
 
     /// Adds `X-Guard-Request-Id` to the answer.
     pub(super) fn tag<B>(&self, response: &mut Response<B>) {
-        if let Ok(id) = HeaderValue::from_str(&self.record.id) {
-            response.headers_mut().insert(REQUEST_ID_HEADER, id);
-        }
+        crate::access::tag(response, &self.record.id);
     }
 
     /// Writes the line: the answer's status, how it ended, and the bytes each way.

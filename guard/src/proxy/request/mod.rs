@@ -568,9 +568,7 @@ impl QueuedRequest {
         if !self.shared.access.is_on() {
             return;
         }
-        if let Ok(id) = HeaderValue::from_str(&self.account.id) {
-            response.headers_mut().insert(REQUEST_ID_HEADER, id);
-        }
+        crate::access::tag(response, &self.account.id);
     }
 
     /// Adds `X-Guard-Class` and `X-Guard-Queue-Ms` (the time the request waited in guard).
@@ -596,7 +594,6 @@ impl QueuedRequest {
 /// guard's own answer headers, named once (a `&str` name is parsed on every insert).
 const CLASS_HEADER: http::HeaderName = http::HeaderName::from_static("x-guard-class");
 const QUEUE_MS_HEADER: http::HeaderName = http::HeaderName::from_static("x-guard-queue-ms");
-const REQUEST_ID_HEADER: http::HeaderName = http::HeaderName::from_static("x-guard-request-id");
 
 impl Drop for QueuedRequest {
     /// The last resort: the owner's task was dropped before it concluded (the runtime is
