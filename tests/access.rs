@@ -144,15 +144,12 @@ async fn every_request_is_one_line_with_the_servers_own_tokens_and_nothing_priva
     let generated = llama.metric("tokens_predicted_total").await - predicted;
     let lines = records(&log, run.requests).await;
     assert_eq!(lines.len(), run.requests, "one line a request: {lines:#?}");
-    let mut ids: Vec<&str> = lines.iter().map(|l| l.id.as_str()).collect();
+    let mut ids: Vec<String> = lines.iter().map(|l| l.id.to_string()).collect();
     ids.sort_unstable();
     ids.dedup();
     assert_eq!(ids.len(), lines.len(), "each request once");
     for id in &run.ids {
-        assert!(
-            ids.contains(&id.as_str()),
-            "the id sent is the line's: {id}"
-        );
+        assert!(ids.contains(id), "the id sent is the line's: {id}");
     }
     let logged: u64 = lines.iter().filter_map(|l| l.tokens.generated).sum();
     let per_line: Vec<_> = lines
@@ -246,7 +243,7 @@ async fn a_rotation_loses_and_repeats_no_line() {
     })
     .await;
     let (old, new) = (records(&rotated, 40).await, records(&log, 30).await);
-    let mut ids: Vec<String> = old.iter().chain(&new).map(|l| l.id.clone()).collect();
+    let mut ids: Vec<_> = old.iter().chain(&new).map(|l| l.id).collect();
     assert_eq!(ids.len(), 80, "{} + {} lines", old.len(), new.len());
     ids.sort_unstable();
     ids.dedup();

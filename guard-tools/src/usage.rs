@@ -73,7 +73,7 @@ impl By {
     fn key(self, record: &Record) -> Option<String> {
         let identity = &record.identity;
         let key = match self {
-            By::Unit => identity.unit.clone(),
+            By::Unit => identity.unit.as_deref().map(str::to_owned),
             By::Uid => identity.uid.map(|uid| uid.to_string()),
             By::Token => identity.token.clone(),
             By::Class => record.class.clone(),
@@ -494,9 +494,9 @@ mod tests {
     fn record(minutes_ago: i64, unit: Option<&str>) -> Record {
         Record {
             time: Some(now() - SignedDuration::from_mins(minutes_ago)),
-            id: format!("{minutes_ago:016x}"),
+            id: guard::access::RequestId(minutes_ago.unsigned_abs()),
             identity: Identity {
-                unit: unit.map(str::to_owned),
+                unit: unit.map(Into::into),
                 ..Identity::default()
             },
             method: "POST".into(),

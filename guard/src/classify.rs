@@ -575,13 +575,9 @@ mod tests {
     }
 
     fn peer(uid: u32, cgroup: &str, exe: &str) -> Option<Arc<Peer>> {
-        Some(Arc::new(Peer {
-            pid: 42,
-            uid: Some(uid),
-            cgroup: Some(cgroup.to_owned()),
-            exe: Some(exe.into()),
-            source: PeerSource::Ebpf,
-        }))
+        let mut peer = Peer::new(42, Some(uid), Some(cgroup.to_owned()), PeerSource::Ebpf);
+        peer.exe = Some(exe.into());
+        Some(Arc::new(peer))
     }
 
     #[test]

@@ -4,21 +4,21 @@
 mod record;
 mod writer;
 
-pub use record::{Identity, Record, Tokens, Word};
+pub use record::{Identity, Record, RequestId, RequestIdError, Tokens, Word};
 pub use writer::{AccessLog, OpenError};
 
 /// The header that tells the client its request's id (its access log line's `id`).
 const REQUEST_ID_HEADER: http::HeaderName = http::HeaderName::from_static("x-guard-request-id");
 
 /// Adds `X-Guard-Request-Id: id` to an answer.
-pub fn tag<B>(response: &mut http::Response<B>, id: &str) {
-    if let Ok(id) = http::HeaderValue::from_str(id) {
+pub fn tag<B>(response: &mut http::Response<B>, id: RequestId) {
+    if let Ok(id) = http::HeaderValue::from_bytes(&id.digits()) {
         response.headers_mut().insert(REQUEST_ID_HEADER, id);
     }
 }
 
 /// A request's id: 16 hex digits, unique in this process and unlikely across restarts.
-pub fn request_id() -> String {
+pub fn request_id() -> RequestId {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0);
     static START: std::sync::LazyLock<u64> = std::sync::LazyLock::new(|| {
@@ -29,5 +29,5 @@ pub fn request_id() -> String {
         (now.as_micros() as u64) << 24
     });
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    format!("{:016x}", START.wrapping_add(n))
+    RequestId(START.wrapping_add(n))
 }

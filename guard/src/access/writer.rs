@@ -122,6 +122,7 @@ impl AccessLog {
             out,
             reopen: Arc::clone(&reopen),
             dropped: dropped.clone(),
+            batch: Vec::new(),
             text: Vec::new(),
             ends: Vec::new(),
         };
@@ -189,8 +190,9 @@ struct Writer {
     out: Box<dyn std::io::Write + Send>,
     reopen: Arc<AtomicBool>,
     dropped: IntCounter,
-    /// The batch's text, and where each line ends in it: kept from batch to batch (a fresh
-    /// buffer this large would be pages mapped and unmapped each time).
+    /// The batch's records, its text, and where each line ends in it: kept from batch to
+    /// batch (a fresh buffer this large would be pages mapped and unmapped each time).
+    batch: Vec<Record>,
     text: Vec<u8>,
     ends: Vec<usize>,
 }
@@ -206,7 +208,8 @@ impl Writer {
                     continue;
                 }
             };
-            let mut batch = vec![first];
+            let mut batch = std::mem::take(&mut self.batch);
+            batch.push(first);
             let mut close = false;
             while batch.len() < BATCH {
                 match messages.try_recv() {
@@ -220,6 +223,8 @@ impl Writer {
             }
             self.maybe_reopen();
             self.write(&batch);
+            batch.clear();
+            self.batch = batch;
             if close {
                 return;
             }

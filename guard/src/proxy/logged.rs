@@ -48,7 +48,7 @@ impl Line {
 
     /// Adds `X-Guard-Request-Id` to the answer.
     pub(super) fn tag<B>(&self, response: &mut Response<B>) {
-        crate::access::tag(response, &self.record.id);
+        crate::access::tag(response, self.record.id);
     }
 
     /// Writes the line: the answer's status, how it ended, and the bytes each way.

@@ -464,7 +464,7 @@ async fn every_request_is_one_access_log_line_with_its_outcome() {
     assert_eq!(lines.len(), 4, "one line a request: {lines:#?}");
     let line = |answer: &harness::Answer| {
         let id = answer.header("x-guard-request-id").expect("the id is sent");
-        let mut with_id = lines.iter().filter(|l| l.id == id);
+        let mut with_id = lines.iter().filter(|l| l.id.to_string() == id);
         let line = with_id.next().expect("its line");
         assert!(with_id.next().is_none(), "once");
         line.clone()

@@ -4,7 +4,7 @@
 //! every process's sockets: slower, and blind to other users' processes without
 //! CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH).
 
-use std::{net::SocketAddr, path::PathBuf};
+use std::{net::SocketAddr, path::PathBuf, sync::Arc};
 
 use super::{EbpfTracker, event::canonical};
 
@@ -24,7 +24,10 @@ pub struct Peer {
     pub pid: i32,
     pub uid: Option<u32>,
     /// The cgroup v2 path, e.g. `/system.slice/nightly-extract.service`.
-    pub cgroup: Option<String>,
+    pub cgroup: Option<Arc<str>>,
+    /// The cgroup's last component (a systemd unit or scope), e.g. `nightly-extract.service`.
+    /// Shared, like the path: every request of the connection names it in the access log.
+    pub unit: Option<Arc<str>>,
     /// Its executable; unreadable for another user's process without CAP_SYS_PTRACE.
     pub exe: Option<PathBuf>,
     pub source: PeerSource,
@@ -38,22 +41,39 @@ pub fn peer_of(
 ) -> Option<Peer> {
     if let Some(owner) = tracker.and_then(|t| t.owner(client)) {
         let pid = owner.tgid as i32;
-        return Some(Peer {
+        return Some(Peer::new(
             pid,
-            uid: Some(owner.uid),
-            cgroup: crate::procs::cgroup_path_by_id(owner.cgroup_id, pid),
-            exe: crate::procs::exe_of(pid),
-            source: PeerSource::Ebpf,
-        });
+            Some(owner.uid),
+            crate::procs::cgroup_path_by_id(owner.cgroup_id, pid),
+            PeerSource::Ebpf,
+        ));
     }
     let pid = pid_from_proc(client, server)?;
-    Some(Peer {
+    Some(Peer::new(
         pid,
-        uid: crate::procs::uid_of(pid),
-        cgroup: crate::procs::cgroup_of(pid),
-        exe: crate::procs::exe_of(pid),
-        source: PeerSource::Proc,
-    })
+        crate::procs::uid_of(pid),
+        crate::procs::cgroup_of(pid),
+        PeerSource::Proc,
+    ))
+}
+
+impl Peer {
+    /// A process with its user and cgroup; its executable is read here.
+    pub fn new(pid: i32, uid: Option<u32>, cgroup: Option<String>, source: PeerSource) -> Self {
+        let unit = cgroup
+            .as_deref()
+            .and_then(|path| path.rsplit('/').next())
+            .filter(|unit| !unit.is_empty())
+            .map(Arc::from);
+        Self {
+            pid,
+            uid,
+            cgroup: cgroup.map(Arc::from),
+            unit,
+            exe: crate::procs::exe_of(pid),
+            source,
+        }
+    }
 }
 
 /// Finds the local process whose socket is `client` → `server` by its inode.

@@ -1,13 +1,13 @@
 //! What the access log says of a queued request, gathered on its way: its id, what it was, who
 //! sent it, what it was sent back and what it used. Written once, when it concludes.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use http::request;
 
 use super::{QueuedRequest, Shared, phases::client_process};
 use crate::{
-    access::{Identity, Record, Tokens, Word},
+    access::{Identity, Record, RequestId, Tokens, Word},
     proxy::outcome::{Outcome, Stage},
     quote::quote,
     reap::registry::Connection,
@@ -20,7 +20,7 @@ const PATH_BYTES: usize = 256;
 #[derive(Debug, Default)]
 pub(super) struct Account {
     /// Also sent to the client as `X-Guard-Request-Id`.
-    pub(super) id: String,
+    pub(super) id: RequestId,
     method: Word,
     path: String,
     /// The rule, header or default that decided the class.
@@ -37,7 +37,7 @@ pub(super) struct Account {
 }
 
 impl Account {
-    pub(super) fn new(id: String) -> Self {
+    pub(super) fn new(id: RequestId) -> Self {
         Self {
             id,
             ..Self::default()
@@ -67,6 +67,14 @@ fn bounded(path: &str) -> &str {
     &path[..end]
 }
 
+/// The connection's own copy (no copy a request), unless it is too long to log whole.
+fn shared_bounded(name: &Arc<str>) -> Arc<str> {
+    match bounded(name) {
+        whole if whole.len() == name.len() => Arc::clone(name),
+        cut => Arc::from(cut),
+    }
+}
+
 /// A client that left before any response head was sent (nginx's word for it).
 const CLIENT_CLOSED: u16 = 499;
 
@@ -84,7 +92,7 @@ impl QueuedRequest {
         let account = &self.account;
         Record {
             time: Some(jiff::Timestamp::now()),
-            id: account.id.clone(),
+            id: account.id,
             client: Some(self.connection.peer),
             identity: self.identity(),
             class: self.class.clone(),
@@ -125,19 +133,16 @@ pub(in crate::proxy) fn identity(
     connection: &Connection,
     token: Option<String>,
 ) -> Identity {
-    let peer = client_process(shared, connection);
-    let cgroup = peer
-        .as_ref()
-        .and_then(|p| p.cgroup.as_deref())
-        .map(|path| bounded(path).to_owned());
+    let Some(peer) = client_process(shared, connection) else {
+        return Identity {
+            token,
+            ..Identity::default()
+        };
+    };
     Identity {
-        uid: peer.as_ref().and_then(|p| p.uid),
-        unit: cgroup
-            .as_deref()
-            .and_then(|path| path.rsplit('/').next())
-            .filter(|unit| !unit.is_empty())
-            .map(str::to_owned),
-        cgroup,
+        uid: peer.uid,
+        unit: peer.unit.as_ref().map(shared_bounded),
+        cgroup: peer.cgroup.as_ref().map(shared_bounded),
         token,
     }
 }
@@ -146,8 +151,14 @@ pub(in crate::proxy) fn identity(
 /// decodes it and bounded.
 pub(in crate::proxy) fn method_and_path(method: &http::Method, uri: &http::Uri) -> (Word, String) {
     let raw = uri.path();
-    let path = crate::route::normalize(raw).unwrap_or_else(|_| raw.into());
-    (method_word(method), bounded(&path).to_owned())
+    let path = match crate::route::normalize(raw).unwrap_or_else(|_| raw.into()) {
+        std::borrow::Cow::Owned(mut path) => {
+            path.truncate(bounded(&path).len());
+            path
+        }
+        std::borrow::Cow::Borrowed(path) => bounded(path).to_owned(),
+    };
+    (method_word(method), path)
 }
 
 /// A method's name: the standard ones borrowed, any other quoted.

@@ -333,7 +333,7 @@ impl QueuedRequest {
         // Nothing of the line is gathered while the access log is off.
         let account = Account::new(match shared.access.is_on() {
             true => crate::access::request_id(),
-            false => String::new(),
+            false => crate::access::RequestId::default(),
         });
         Self {
             shared,
@@ -568,7 +568,7 @@ impl QueuedRequest {
         if !self.shared.access.is_on() {
             return;
         }
-        crate::access::tag(response, &self.account.id);
+        crate::access::tag(response, self.account.id);
     }
 
     /// Adds `X-Guard-Class` and `X-Guard-Queue-Ms` (the time the request waited in guard).

@@ -171,10 +171,8 @@ impl QueuedRequest {
         let client = self.connection.peer;
         let key = match by {
             FairBy::Uid => peer().and_then(|p| p.uid).map(|uid| uid.to_string()),
-            FairBy::Unit => peer()
-                .and_then(|p| p.cgroup.clone())
-                .and_then(|path| path.rsplit('/').next().map(str::to_owned)),
-            FairBy::Cgroup => peer().and_then(|p| p.cgroup.clone()),
+            FairBy::Unit => peer().and_then(|p| p.unit.as_deref().map(str::to_owned)),
+            FairBy::Cgroup => peer().and_then(|p| p.cgroup.as_deref().map(str::to_owned)),
             FairBy::Token => crate::secret::bearer(&head.headers).map(str::to_owned),
             FairBy::Source => Some(client.ip().to_canonical().to_string()),
             FairBy::Header(name) => head
