@@ -45,10 +45,9 @@ fn image_or_skip() -> Option<()> {
         "cargo xtask image failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    if let Err(why) = run::can_start_containers(&format!(
-        "localhost/guard:{}",
-        env!("CARGO_PKG_VERSION")
-    )) {
+    if let Err(why) =
+        run::can_start_containers(&format!("localhost/guard:{}", env!("CARGO_PKG_VERSION")))
+    {
         println!("container: skipped: podman cannot start a container here: {why}");
         return None;
     }
@@ -90,7 +89,10 @@ async fn a_manifest_without_the_bpf_capability_fails_the_checks() {
     let failure = run::check(&manifests)
         .await
         .expect_err("guard ran as if nothing were missing");
-    assert!(failure.contains("eBPF"), "failed for another reason: {failure}");
+    assert!(
+        failure.contains("eBPF"),
+        "failed for another reason: {failure}"
+    );
     println!("container: without CAP_BPF: {failure}");
 }
 

@@ -94,7 +94,11 @@ impl Root {
             tarball.display()
         );
         let dir = TempDir::new(name);
-        ok(Command::new("tar").arg("-xf").arg(&tarball).arg("-C").arg(&dir.0));
+        ok(Command::new("tar")
+            .arg("-xf")
+            .arg(&tarball)
+            .arg("-C")
+            .arg(&dir.0));
         for made in ["run/systemd/system", "sys/fs/cgroup", "tmp"] {
             std::fs::create_dir_all(dir.0.join(made)).expect("a directory in the root");
         }
@@ -205,11 +209,22 @@ fn the_package_installs_upgrades_removes_and_purges_in_debian_12() {
     let upgrades = TempDir::new("guard-package-next");
     let next = root.copy_in(&next_version(package(), &upgrades.0));
     root.ok(&["dpkg", "-i", &next]);
-    assert_eq!(root.asked(), ["guard.service restart"], "an upgrade restarts guard");
+    assert_eq!(
+        root.asked(),
+        ["guard.service restart"],
+        "an upgrade restarts guard"
+    );
     let kept = std::fs::read_to_string(&config).expect("read the config");
-    assert!(kept.starts_with("# mine\n"), "the upgrade kept the admin's config");
+    assert!(
+        kept.starts_with("# mine\n"),
+        "the upgrade kept the admin's config"
+    );
     let enabled = root.run(&["systemctl", "--root=/", "is-enabled", "guard.service"]);
-    assert_eq!(text(&enabled).trim(), "enabled", "still enabled after the upgrade");
+    assert_eq!(
+        text(&enabled).trim(),
+        "enabled",
+        "still enabled after the upgrade"
+    );
 
     assert_removal_restores(&root);
     assert_purge_leaves_nothing(&root);
@@ -243,7 +258,11 @@ fn assert_fresh_install(root: &Root) {
             .mode()
             & 0o777
     };
-    assert_eq!(mode("etc/guard/guard.toml"), 0o640, "the config may hold tokens");
+    assert_eq!(
+        mode("etc/guard/guard.toml"),
+        0o640,
+        "the config may hold tokens"
+    );
     assert_eq!(mode("var/lib/guard"), 0o750, "the state directory");
 }
 
@@ -266,7 +285,9 @@ fn assert_removal_restores(root: &Root) {
     let removed = root.ok(&["dpkg", "-r", "guard"]);
     assert_eq!(root.asked(), ["guard.service stop"], "removal stops guard");
     assert_eq!(
-        std::fs::read_to_string(&freeze).expect("read cgroup.freeze").trim(),
+        std::fs::read_to_string(&freeze)
+            .expect("read cgroup.freeze")
+            .trim(),
         "0",
         "the prerm's guard restore thawed the recorded cgroup:\n{removed}"
     );
@@ -289,10 +310,7 @@ fn assert_purge_leaves_nothing(root: &Root) {
         "var/lib/systemd/deb-systemd-helper-enabled/guard.service.dsh-also",
         "var/lib/systemd/deb-systemd-helper-masked/guard.service",
     ] {
-        assert!(
-            !root.path(gone).exists(),
-            "{gone} is left after purge"
-        );
+        assert!(!root.path(gone).exists(), "{gone} is left after purge");
     }
     let status = root.run(&["dpkg-query", "-W", "-f=${Status}", "guard"]);
     assert!(
@@ -310,19 +328,36 @@ fn the_installed_unit_verifies_and_scores_3_or_less() {
     root.ok(&["dpkg", "-i", &deb]);
     let verify = root.run(&["systemd-analyze", "verify", UNIT]);
     let report = text(&verify);
-    assert!(verify.status.success(), "systemd-analyze verify failed:\n{report}");
+    assert!(
+        verify.status.success(),
+        "systemd-analyze verify failed:\n{report}"
+    );
     let about_unit: Vec<&str> = report
         .lines()
         .filter(|line| line.contains("guard.service"))
         .collect();
-    assert!(about_unit.is_empty(), "verify warns:\n{}", about_unit.join("\n"));
+    assert!(
+        about_unit.is_empty(),
+        "verify warns:\n{}",
+        about_unit.join("\n")
+    );
 
     let threshold = format!("--threshold={MAX_EXPOSURE_TENTHS}");
-    let security = root.run(&["systemd-analyze", "security", "--offline=yes", &threshold, UNIT]);
+    let security = root.run(&[
+        "systemd-analyze",
+        "security",
+        "--offline=yes",
+        &threshold,
+        UNIT,
+    ]);
     let report = text(&security);
-    let exposure = exposure_tenths(&report)
-        .unwrap_or_else(|| panic!("no overall exposure level:\n{report}"));
-    println!("systemd-analyze security: {}.{}", exposure / 10, exposure % 10);
+    let exposure =
+        exposure_tenths(&report).unwrap_or_else(|| panic!("no overall exposure level:\n{report}"));
+    println!(
+        "systemd-analyze security: {}.{}",
+        exposure / 10,
+        exposure % 10
+    );
     assert!(
         exposure <= MAX_EXPOSURE_TENTHS && security.status.success(),
         "exposure {}.{} above 3.0:\n{report}",
@@ -355,7 +390,15 @@ fn lintian_reports_only_what_the_package_explains() {
     assert!(out.status.success(), "lintian fails:\n{report}");
     let unexplained: Vec<&str> = report
         .lines()
-        .filter(|line| ["E: ", "W: ", "I: "].iter().any(|kind| line.starts_with(kind)))
+        .filter(|line| {
+            ["E: ", "W: ", "I: "]
+                .iter()
+                .any(|kind| line.starts_with(kind))
+        })
         .collect();
-    assert!(unexplained.is_empty(), "unexplained tags:\n{}", unexplained.join("\n"));
+    assert!(
+        unexplained.is_empty(),
+        "unexplained tags:\n{}",
+        unexplained.join("\n")
+    );
 }

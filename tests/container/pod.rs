@@ -234,7 +234,12 @@ fn security_options(
     dir: &Path,
 ) -> Result<(Vec<String>, Vec<String>), String> {
     let pod_security = &pod["securityContext"];
-    check_keys(pod_security, "pod securityContext", &["seccompProfile", "runAsUser", "runAsGroup"], &[])?;
+    check_keys(
+        pod_security,
+        "pod securityContext",
+        &["seccompProfile", "runAsUser", "runAsGroup"],
+        &[],
+    )?;
     let security = &container["securityContext"];
     check_keys(
         security,
@@ -252,7 +257,11 @@ fn security_options(
     )?;
     let field = |key: &str| {
         let own = &security[key];
-        if own.is_null() { &pod_security[key] } else { own }
+        if own.is_null() {
+            &pod_security[key]
+        } else {
+            own
+        }
     };
     let mut options = Vec::new();
     if security["privileged"].as_bool() == Some(true) {
@@ -280,7 +289,11 @@ fn security_options(
     let names = |key: &str| -> Vec<String> {
         capabilities[key]
             .as_array()
-            .map(|list| list.iter().filter_map(|c| c.as_str().map(str::to_owned)).collect())
+            .map(|list| {
+                list.iter()
+                    .filter_map(|c| c.as_str().map(str::to_owned))
+                    .collect()
+            })
             .unwrap_or_default()
     };
     for dropped in names("drop") {
@@ -303,9 +316,12 @@ const PODMAN_SECCOMP: &str = "/usr/share/containers/seccomp.json";
 /// both still fail with EPERM. Written to `dir`; returns its path.
 fn runtime_default(dir: &Path) -> Result<PathBuf, String> {
     const GATED: [(&str, &str); 2] = [("bpf", "CAP_BPF"), ("perf_event_open", "CAP_PERFMON")];
-    let text = std::fs::read_to_string(PODMAN_SECCOMP).map_err(|e| format!("{PODMAN_SECCOMP}: {e}"))?;
+    let text =
+        std::fs::read_to_string(PODMAN_SECCOMP).map_err(|e| format!("{PODMAN_SECCOMP}: {e}"))?;
     let mut profile: Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
-    let rules = profile["syscalls"].as_array_mut().ok_or("a seccomp profile without syscalls")?;
+    let rules = profile["syscalls"]
+        .as_array_mut()
+        .ok_or("a seccomp profile without syscalls")?;
     for rule in rules.iter_mut().filter(|r| r["action"] == "SCMP_ACT_ERRNO") {
         if let Some(names) = rule["names"].as_array_mut() {
             names.retain(|name| !GATED.iter().any(|(call, _)| name == call));
@@ -380,7 +396,11 @@ fn env_options(env: &Value) -> Result<Vec<String>, String> {
 
 /// The volume mounts, each from its volume: a config map's keys written to `config_dir`, or
 /// a hostPath (created first for DirectoryOrCreate, required for Directory).
-fn mounts(manifests: &Manifests, container: &Value, config_dir: &Path) -> Result<Vec<Mount>, String> {
+fn mounts(
+    manifests: &Manifests,
+    container: &Value,
+    config_dir: &Path,
+) -> Result<Vec<Mount>, String> {
     let volumes: BTreeMap<&str, &Value> = manifests.pod()["volumes"]
         .as_array()
         .ok_or("no volumes")?
@@ -388,10 +408,20 @@ fn mounts(manifests: &Manifests, container: &Value, config_dir: &Path) -> Result
         .filter_map(|v| Some((v["name"].as_str()?, v)))
         .collect();
     let mut mounts = Vec::new();
-    for mount in container["volumeMounts"].as_array().ok_or("no volumeMounts")? {
-        check_keys(mount, "volumeMount", &["name", "mountPath", "readOnly"], &[])?;
+    for mount in container["volumeMounts"]
+        .as_array()
+        .ok_or("no volumeMounts")?
+    {
+        check_keys(
+            mount,
+            "volumeMount",
+            &["name", "mountPath", "readOnly"],
+            &[],
+        )?;
         let name = mount["name"].as_str().ok_or("a volumeMount's name")?;
-        let volume = volumes.get(name).ok_or_else(|| format!("no volume {name}"))?;
+        let volume = volumes
+            .get(name)
+            .ok_or_else(|| format!("no volume {name}"))?;
         let host = volume_source(manifests, volume, &config_dir.join(name))?;
         mounts.push(Mount {
             host,
@@ -417,17 +447,27 @@ fn volume_source(manifests: &Manifests, volume: &Value, dir: &Path) -> Result<Pa
             .ok_or("a ConfigMap without data")?;
         std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
         for (key, value) in data {
-            std::fs::write(dir.join(key), value.as_str().unwrap_or("")).map_err(|e| e.to_string())?;
+            std::fs::write(dir.join(key), value.as_str().unwrap_or(""))
+                .map_err(|e| e.to_string())?;
         }
         return Ok(dir.to_owned());
     }
-    let host = volume.get("hostPath").ok_or("a volume that is neither configMap nor hostPath")?;
+    let host = volume
+        .get("hostPath")
+        .ok_or("a volume that is neither configMap nor hostPath")?;
     check_keys(host, "hostPath", &["path", "type"], &[])?;
     let path = PathBuf::from(host["path"].as_str().ok_or("a hostPath's path")?);
     match host["type"].as_str().unwrap_or("") {
-        "DirectoryOrCreate" => std::fs::create_dir_all(&path).map_err(|e| format!("{}: {e}", path.display()))?,
+        "DirectoryOrCreate" => {
+            std::fs::create_dir_all(&path).map_err(|e| format!("{}: {e}", path.display()))?
+        }
         "Directory" | "" if path.is_dir() => {}
-        "Directory" => return Err(format!("hostPath {} is not a directory on this node", path.display())),
+        "Directory" => {
+            return Err(format!(
+                "hostPath {} is not a directory on this node",
+                path.display()
+            ));
+        }
         other => return Err(format!("hostPath type {other} is not supported")),
     }
     Ok(path)
@@ -438,7 +478,11 @@ fn arguments(container: &Value) -> Result<(Vec<String>, Vec<String>), String> {
     let strings = |value: &Value| -> Vec<String> {
         value
             .as_array()
-            .map(|list| list.iter().filter_map(|a| a.as_str().map(str::to_owned)).collect())
+            .map(|list| {
+                list.iter()
+                    .filter_map(|a| a.as_str().map(str::to_owned))
+                    .collect()
+            })
             .unwrap_or_default()
     };
     let mut args = strings(&container["args"]);
@@ -454,7 +498,9 @@ fn arguments(container: &Value) -> Result<(Vec<String>, Vec<String>), String> {
 /// The readiness probe's path and port (a named port looked up in `ports`).
 fn readiness(container: &Value) -> Result<(String, u16), String> {
     let get = &container["readinessProbe"]["httpGet"];
-    let path = get["path"].as_str().ok_or("a readiness probe with httpGet.path")?;
+    let path = get["path"]
+        .as_str()
+        .ok_or("a readiness probe with httpGet.path")?;
     let port = match &get["port"] {
         Value::Number(n) => n.as_u64(),
         Value::String(name) => container["ports"]
@@ -464,11 +510,19 @@ fn readiness(container: &Value) -> Result<(String, u16), String> {
         _ => None,
     }
     .ok_or("the readiness probe's port")?;
-    Ok((path.to_owned(), u16::try_from(port).map_err(|e| e.to_string())?))
+    Ok((
+        path.to_owned(),
+        u16::try_from(port).map_err(|e| e.to_string())?,
+    ))
 }
 
 /// Err naming the first key of `object` that is neither `known` nor `no_effect`.
-fn check_keys(object: &Value, what: &str, known: &[&str], no_effect: &[&str]) -> Result<(), String> {
+fn check_keys(
+    object: &Value,
+    what: &str,
+    known: &[&str],
+    no_effect: &[&str],
+) -> Result<(), String> {
     let Some(map) = object.as_object() else {
         return Ok(());
     };

@@ -28,7 +28,8 @@ const BOUND: Duration = Duration::from_secs(60);
 fn podman() -> Command {
     static CONF: OnceLock<PathBuf> = OnceLock::new();
     let conf = CONF.get_or_init(|| {
-        let path = std::env::temp_dir().join(format!("guard-containers-{}.conf", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("guard-containers-{}.conf", std::process::id()));
         std::fs::write(&path, CONTAINERS_CONF).expect("write containers.conf");
         path
     });
@@ -43,14 +44,26 @@ fn podman() -> Command {
 /// Ok where podman starts the image (`guard --version`); the reason in one line otherwise.
 pub fn can_start_containers(image: &str) -> Result<(), String> {
     let out = podman()
-        .args(["run", "--rm", "--pull=never", "--network=none", image, "--version"])
+        .args([
+            "run",
+            "--rm",
+            "--pull=never",
+            "--network=none",
+            image,
+            "--version",
+        ])
         .output()
         .map_err(|e| e.to_string())?;
     if out.status.success() {
         return Ok(());
     }
     let stderr = String::from_utf8_lossy(&out.stderr);
-    Err(stderr.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output").to_owned())
+    Err(stderr
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("no output")
+        .to_owned())
 }
 
 /// Runs the pod and checks it; Ok with what it saw, Err with the first check that failed.
@@ -71,11 +84,18 @@ pub async fn check(manifests: &Manifests) -> Result<String, String> {
     }
 }
 
-async fn checks(run: &PodmanRun, node: &Node, llama: &Llama, container: &Container) -> Result<String, String> {
+async fn checks(
+    run: &PodmanRun,
+    node: &Node,
+    llama: &Llama,
+    container: &Container,
+) -> Result<String, String> {
     let metrics = std::net::SocketAddr::from(([127, 0, 0, 1], node.metrics_port));
     let probe = std::net::SocketAddr::from(([127, 0, 0, 1], run.ready.1));
     poll("the readiness probe answers 200", async || {
-        http::get(probe, &run.ready.0).await.is_ok_and(|r| r.status == 200)
+        http::get(probe, &run.ready.0)
+            .await
+            .is_ok_and(|r| r.status == 200)
     })
     .await?;
     let privileges = privileges(run, metrics, container).await?;
@@ -86,7 +106,11 @@ async fn checks(run: &PodmanRun, node: &Node, llama: &Llama, container: &Contain
 
 /// /status and /metrics: eBPF attached, capabilities held within those granted, and the
 /// container's bounding set exactly the manifest's.
-async fn privileges(run: &PodmanRun, metrics: std::net::SocketAddr, container: &Container) -> Result<String, String> {
+async fn privileges(
+    run: &PodmanRun,
+    metrics: std::net::SocketAddr,
+    container: &Container,
+) -> Result<String, String> {
     let status = http::get(metrics, "/status").await?.json();
     if status["ebpf"]["attached"] != true {
         return Err(format!(
@@ -98,19 +122,30 @@ async fn privileges(run: &PodmanRun, metrics: std::net::SocketAddr, container: &
     if guard_tests::metric(&text, "guard_ebpf_attached") != Some(1.0) {
         return Err("/metrics does not say guard_ebpf_attached 1".into());
     }
-    let granted: Vec<String> = run.capabilities.iter().map(|c| format!("CAP_{c}")).collect();
-    let held: Vec<String> = serde_json::from_value(status["capabilities"].clone()).map_err(|e| e.to_string())?;
+    let granted: Vec<String> = run
+        .capabilities
+        .iter()
+        .map(|c| format!("CAP_{c}"))
+        .collect();
+    let held: Vec<String> =
+        serde_json::from_value(status["capabilities"].clone()).map_err(|e| e.to_string())?;
     if let Some(extra) = held.iter().find(|c| !granted.contains(c)) {
-        return Err(format!("guard holds {extra}, which the manifest does not grant"));
+        return Err(format!(
+            "guard holds {extra}, which the manifest does not grant"
+        ));
     }
     let mut bounding = container.bounding_set()?;
     let mut expected = granted.clone();
     bounding.sort();
     expected.sort();
     if bounding != expected {
-        return Err(format!("the container's bounding set is {bounding:?}, the manifest grants {expected:?}"));
+        return Err(format!(
+            "the container's bounding set is {bounding:?}, the manifest grants {expected:?}"
+        ));
     }
-    Ok(format!("eBPF attached; capabilities held {held:?} of the granted {granted:?} (bounding set {bounding:?})"))
+    Ok(format!(
+        "eBPF attached; capabilities held {held:?} of the granted {granted:?} (bounding set {bounding:?})"
+    ))
 }
 
 /// A streaming batch client on the real llama-server closes: guard's eBPF program sees it,
@@ -120,20 +155,38 @@ async fn reap(node: &Node, llama: &Llama, metrics: std::net::SocketAddr) -> Resu
     let series = "guard_reaped_total{class=\"batch\",stage=\"running\"}";
     let before = metric(metrics, series).await;
     let body = json!({"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 2000, "stream": true});
-    let mut stream = raw_request(listen, "/v1/chat/completions", &[("x-guard-class", "batch")], &body).await;
+    let mut stream = raw_request(
+        listen,
+        "/v1/chat/completions",
+        &[("x-guard-class", "batch")],
+        &body,
+    )
+    .await;
     read_until(&mut stream, |seen| seen.contains("data: "))
         .await
         .map_err(|seen| format!("the stream ended before its first token: {seen}"))?;
     let left = Instant::now();
     leave(stream, Leave::Fin);
-    poll("guard reaps the closed stream", async || metric(metrics, series).await > before).await?;
-    poll("llama-server's slot frees", async || llama.metric("requests_processing").await == 0.0).await?;
+    poll("guard reaps the closed stream", async || {
+        metric(metrics, series).await > before
+    })
+    .await?;
+    poll("llama-server's slot frees", async || {
+        llama.metric("requests_processing").await == 0.0
+    })
+    .await?;
     let freed = left.elapsed();
     let kernel = metric(metrics, "guard_reap_latency_seconds_count").await;
     if kernel < 1.0 {
-        return Err("the close was not seen by guard's eBPF program (guard_reap_latency_seconds_count 0)".into());
+        return Err(
+            "the close was not seen by guard's eBPF program (guard_reap_latency_seconds_count 0)"
+                .into(),
+        );
     }
-    Ok(format!("reaped a closed stream, slot free {} ms after the close", freed.as_millis()))
+    Ok(format!(
+        "reaped a closed stream, slot free {} ms after the close",
+        freed.as_millis()
+    ))
 }
 
 /// Batch work fills every slot; an interactive request waits past its risk point: guard
@@ -148,10 +201,20 @@ async fn freeze_and_restore(node: &Node, metrics: std::net::SocketAddr) -> Resul
         batch.push(raw_request(listen, "/completion", &[("x-guard-class", "batch")], &long).await);
     }
     let inflight = "guard_inflight{class=\"batch\"}";
-    poll("batch work fills every slot", async || metric(metrics, inflight).await >= node.slots as f64).await?;
+    poll("batch work fills every slot", async || {
+        metric(metrics, inflight).await >= node.slots as f64
+    })
+    .await?;
     let short = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
     let interactive = tokio::spawn(async move {
-        http::post(listen, "/v1/chat/completions", &[("x-guard-class", "interactive")], &short).await.status
+        http::post(
+            listen,
+            "/v1/chat/completions",
+            &[("x-guard-class", "interactive")],
+            &short,
+        )
+        .await
+        .status
     });
     poll("guard freezes the batch class", async || {
         metric(metrics, "guard_class_throttled{class=\"batch\"}").await == 1.0
@@ -159,15 +222,23 @@ async fn freeze_and_restore(node: &Node, metrics: std::net::SocketAddr) -> Resul
     .await?;
     let frozen = read(&freeze_file);
     if frozen != "1" {
-        return Err(format!("guard says batch is throttled, {} reads {frozen:?}", freeze_file.display()));
+        return Err(format!(
+            "guard says batch is throttled, {} reads {frozen:?}",
+            freeze_file.display()
+        ));
     }
     let cpu = cpu_over(node.busy.0.id(), Duration::from_millis(300));
     if cpu > 0.02 {
-        return Err(format!("the frozen batch process used {cpu} CPU s in 0.3 s"));
+        return Err(format!(
+            "the frozen batch process used {cpu} CPU s in 0.3 s"
+        ));
     }
     let records = records(&node.state_dir);
     if records == 0 {
-        return Err(format!("no record of the original value in the state hostPath {}", node.state_dir.display()));
+        return Err(format!(
+            "no record of the original value in the state hostPath {}",
+            node.state_dir.display()
+        ));
     }
     for client in batch {
         leave(client, Leave::Fin);
@@ -177,9 +248,12 @@ async fn freeze_and_restore(node: &Node, metrics: std::net::SocketAddr) -> Resul
         return Err(format!("the interactive request got {answered}"));
     }
     let risk_over = Instant::now();
-    poll("guard restores the batch cgroup", async || read(&freeze_file) == "0").await?;
+    poll("guard restores the batch cgroup", async || {
+        read(&freeze_file) == "0"
+    })
+    .await?;
     Ok(format!(
-        "froze the batch cgroup (cgroup.freeze 1, {records} record(s) in the state dir), thawed it {:.1} s after the risk passed",
+        "froze the batch cgroup (cgroup.freeze 1, {records} record(s) in the state dir), thawed it {:.1} s after the interactive request was answered",
         risk_over.elapsed().as_secs_f64()
     ))
 }
@@ -200,12 +274,15 @@ struct Node {
 impl Node {
     fn prepare(run: &PodmanRun) -> Result<Self, String> {
         let config_mount = mount_at(run, Path::new("/etc/guard"))?;
-        let text = std::fs::read_to_string(config_mount.host.join("guard.toml")).map_err(|e| format!("guard.toml: {e}"))?;
+        let text = std::fs::read_to_string(config_mount.host.join("guard.toml"))
+            .map_err(|e| format!("guard.toml: {e}"))?;
         let config: toml::Value = toml::from_str(&text).map_err(|e| e.to_string())?;
         let port = |value: &toml::Value| -> Result<u16, String> {
             let text = value.as_str().ok_or("an address")?;
             let port = text.rsplit(':').next().ok_or("a port")?;
-            port.trim_end_matches(|c: char| !c.is_ascii_digit()).parse().map_err(|_| format!("no port in {text}"))
+            port.trim_end_matches(|c: char| !c.is_ascii_digit())
+                .parse()
+                .map_err(|_| format!("no port in {text}"))
         };
         let cgroup = config["class"]["batch"]
             .get("cgroup")
@@ -213,24 +290,35 @@ impl Node {
             .ok_or("the config map gives the batch class no cgroup")?;
         let (host_cgroup, mount) = host_path(run, Path::new(cgroup))?;
         if mount.read_only {
-            return Err(format!("the batch cgroup {cgroup} is in the read-only mount {}", mount.container.display()));
+            return Err(format!(
+                "the batch cgroup {cgroup} is in the read-only mount {}",
+                mount.container.display()
+            ));
         }
-        let state = config["risk"].get("state_dir").and_then(toml::Value::as_str).unwrap_or("/var/lib/guard");
+        let state = config["risk"]
+            .get("state_dir")
+            .and_then(toml::Value::as_str)
+            .unwrap_or("/var/lib/guard");
         let (state_dir, _) = host_path(run, Path::new(state))?;
         let classes = ClassCgroups::prepare(&mount.host)?;
-        std::fs::create_dir_all(&host_cgroup).map_err(|e| format!("{}: {e}", host_cgroup.display()))?;
+        std::fs::create_dir_all(&host_cgroup)
+            .map_err(|e| format!("{}: {e}", host_cgroup.display()))?;
         let busy = ChildGuard(
             Command::new("sh")
                 .args(["-c", "while :; do :; done"])
                 .spawn()
                 .map_err(|e| e.to_string())?,
         );
-        std::fs::write(host_cgroup.join("cgroup.procs"), busy.0.id().to_string()).map_err(|e| format!("moving the busy process: {e}"))?;
+        std::fs::write(host_cgroup.join("cgroup.procs"), busy.0.id().to_string())
+            .map_err(|e| format!("moving the busy process: {e}"))?;
         Ok(Self {
             listen_port: port(&config["server"]["listen"])?,
             metrics_port: port(&config["metrics"]["listen"])?,
             upstream_port: port(&config["upstream"]["url"])?,
-            slots: config["upstream"].get("max_concurrency").and_then(toml::Value::as_integer).unwrap_or(1) as usize,
+            slots: config["upstream"]
+                .get("max_concurrency")
+                .and_then(toml::Value::as_integer)
+                .unwrap_or(1) as usize,
             batch_cgroup: host_cgroup,
             state_dir,
             busy,
@@ -241,18 +329,26 @@ impl Node {
 
 /// The mount whose container path is `at`.
 fn mount_at<'a>(run: &'a PodmanRun, at: &Path) -> Result<&'a crate::pod::Mount, String> {
-    run.mounts.iter().find(|m| m.container == at).ok_or_else(|| format!("nothing is mounted at {}", at.display()))
+    run.mounts
+        .iter()
+        .find(|m| m.container == at)
+        .ok_or_else(|| format!("nothing is mounted at {}", at.display()))
 }
 
 /// Where a path inside the container lies on the node, through the innermost mount.
-fn host_path<'a>(run: &'a PodmanRun, inside: &Path) -> Result<(PathBuf, &'a crate::pod::Mount), String> {
+fn host_path<'a>(
+    run: &'a PodmanRun,
+    inside: &Path,
+) -> Result<(PathBuf, &'a crate::pod::Mount), String> {
     let mount = run
         .mounts
         .iter()
         .filter(|m| inside.starts_with(&m.container))
         .max_by_key(|m| m.container.components().count())
         .ok_or_else(|| format!("{} is in no mount", inside.display()))?;
-    let rest = inside.strip_prefix(&mount.container).map_err(|e| e.to_string())?;
+    let rest = inside
+        .strip_prefix(&mount.container)
+        .map_err(|e| e.to_string())?;
     Ok((mount.host.join(rest), mount))
 }
 
@@ -268,17 +364,32 @@ struct ClassCgroups {
 impl ClassCgroups {
     fn prepare(host: &Path) -> Result<Self, String> {
         if is_cgroup2(host) {
-            return Ok(Self { bound: None, made: None });
+            return Ok(Self {
+                bound: None,
+                made: None,
+            });
         }
         let name = host.file_name().ok_or("a class cgroups path")?;
         let source = cgroup2_root().join(name);
         let made = (!source.exists()).then(|| source.clone());
         std::fs::create_dir_all(&source).map_err(|e| format!("{}: {e}", source.display()))?;
-        let status = Command::new("mount").arg("--bind").arg(&source).arg(host).status().map_err(|e| e.to_string())?;
+        let status = Command::new("mount")
+            .arg("--bind")
+            .arg(&source)
+            .arg(host)
+            .status()
+            .map_err(|e| e.to_string())?;
         if !status.success() || !is_cgroup2(host) {
-            return Err(format!("cannot bind {} to {}", source.display(), host.display()));
+            return Err(format!(
+                "cannot bind {} to {}",
+                source.display(),
+                host.display()
+            ));
         }
-        Ok(Self { bound: Some(host.to_owned()), made })
+        Ok(Self {
+            bound: Some(host.to_owned()),
+            made,
+        })
     }
 }
 
@@ -294,7 +405,8 @@ impl Drop for ClassCgroups {
 }
 
 fn is_cgroup2(path: &Path) -> bool {
-    nix::sys::statfs::statfs(path).is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
+    nix::sys::statfs::statfs(path)
+        .is_ok_and(|fs| fs.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC)
 }
 
 /// The batch cgroup is emptied and removed when the test is done with it.
@@ -315,17 +427,34 @@ struct Llama {
 
 impl Llama {
     async fn start(port: u16, slots: usize) -> Result<Self, String> {
-        let env = |name: &str| std::env::var(name).map_err(|_| format!("{name} is not set: run through cargo xtask test"));
+        let env = |name: &str| {
+            std::env::var(name)
+                .map_err(|_| format!("{name} is not set: run through cargo xtask test"))
+        };
         let child = Command::new(env("GUARD_LLAMA_SERVER")?)
             .args(["-m", &env("GUARD_LLAMA_MODEL")?])
-            .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--metrics"])
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--metrics",
+            ])
             .args(["-np", &slots.to_string(), "-c", &(2048 * slots).to_string()])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .map_err(|e| format!("llama-server: {e}"))?;
-        let llama = Self { addr: ([127, 0, 0, 1], port).into(), _child: ChildGuard(child) };
-        poll("llama-server is ready", async || http::get(llama.addr, "/health").await.is_ok_and(|r| r.status == 200)).await?;
+        let llama = Self {
+            addr: ([127, 0, 0, 1], port).into(),
+            _child: ChildGuard(child),
+        };
+        poll("llama-server is ready", async || {
+            http::get(llama.addr, "/health")
+                .await
+                .is_ok_and(|r| r.status == 200)
+        })
+        .await?;
         Ok(llama)
     }
 
@@ -351,20 +480,27 @@ impl Container {
             .output()
             .map_err(|e| e.to_string())?;
         if !out.status.success() {
-            return Err(format!("podman run failed: {}", String::from_utf8_lossy(&out.stderr)));
+            return Err(format!(
+                "podman run failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
         }
         Ok(Self { name })
     }
 
     fn inspect(&self, format: &str) -> Result<String, String> {
-        let out = podman().args(["inspect", "--format", format, &self.name]).output().map_err(|e| e.to_string())?;
+        let out = podman()
+            .args(["inspect", "--format", format, &self.name])
+            .output()
+            .map_err(|e| e.to_string())?;
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
     }
 
     /// CapBnd of the container's process, by name (`CAP_BPF`).
     fn bounding_set(&self) -> Result<Vec<String>, String> {
         let pid = self.inspect("{{.State.Pid}}")?;
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| format!("guard's /proc/{pid}/status: {e}"))?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .map_err(|e| format!("guard's /proc/{pid}/status: {e}"))?;
         let mask = status
             .lines()
             .find_map(|l| l.strip_prefix("CapBnd:"))
@@ -379,28 +515,48 @@ impl Container {
 
     fn logs(&self) -> String {
         let out = podman().args(["logs", "--tail", "40", &self.name]).output();
-        out.map(|o| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
-            .unwrap_or_default()
+        out.map(|o| {
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            )
+        })
+        .unwrap_or_default()
     }
 
     /// `podman stop` with the pod's grace period: guard drains and exits 0.
     fn stop(&self, grace_s: u64) -> Result<String, String> {
         let started = Instant::now();
-        let out = podman().args(["stop", "--time", &grace_s.to_string(), &self.name]).output().map_err(|e| e.to_string())?;
+        let out = podman()
+            .args(["stop", "--time", &grace_s.to_string(), &self.name])
+            .output()
+            .map_err(|e| e.to_string())?;
         if !out.status.success() {
-            return Err(format!("podman stop: {}", String::from_utf8_lossy(&out.stderr)));
+            return Err(format!(
+                "podman stop: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
         }
         let code = self.inspect("{{.State.ExitCode}}")?;
         if code != "0" {
-            return Err(format!("guard exited with {code} on SIGTERM\n{}", self.logs()));
+            return Err(format!(
+                "guard exited with {code} on SIGTERM\n{}",
+                self.logs()
+            ));
         }
-        Ok(format!("stopped cleanly in {:.1} s", started.elapsed().as_secs_f64()))
+        Ok(format!(
+            "stopped cleanly in {:.1} s",
+            started.elapsed().as_secs_f64()
+        ))
     }
 }
 
 impl Drop for Container {
     fn drop(&mut self) {
-        let _ = podman().args(["rm", "--force", "--time", "0", &self.name]).output();
+        let _ = podman()
+            .args(["rm", "--force", "--time", "0", &self.name])
+            .output();
     }
 }
 
@@ -424,7 +580,9 @@ async fn poll(what: &str, mut done: impl AsyncFnMut() -> bool) -> Result<(), Str
 }
 
 fn read(file: &Path) -> String {
-    std::fs::read_to_string(file).map(|s| s.trim().to_owned()).unwrap_or_default()
+    std::fs::read_to_string(file)
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
 }
 
 /// Record files (`*.orig`) with an outstanding original value.

@@ -234,7 +234,11 @@ fn gzip(contents: &[u8], to: &Path) -> Result<()> {
         .stdout(fs::File::create(to)?)
         .spawn()
         .context("gzip")?;
-    child.stdin.take().context("gzip's stdin")?.write_all(contents)?;
+    child
+        .stdin
+        .take()
+        .context("gzip's stdin")?
+        .write_all(contents)?;
     if !child.wait()?.success() {
         bail!("gzip failed for {}", to.display());
     }
@@ -261,7 +265,10 @@ fn man_page(binary: &Path, version: &str) -> Result<String> {
         verbatim(&main)
     );
     for command in commands(&main) {
-        page.push_str(&format!(".SS guard {command}\n{}", verbatim(&help(&[command])?)));
+        page.push_str(&format!(
+            ".SS guard {command}\n{}",
+            verbatim(&help(&[command])?)
+        ));
     }
     page.push_str(".SH FILES\n.TP\n/etc/guard/guard.toml\nthe config (every key, with its default, is in the shipped file)\n.TP\n/var/lib/guard\ncgroup values to restore after a crash (\\fBguard restore\\fR)\n.TP\n/usr/share/guard\nthe Grafana dashboard and the Prometheus alert rules\n");
     Ok(page)

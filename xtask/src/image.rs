@@ -32,17 +32,14 @@ pub fn image() -> Result<String> {
     }
     stage_rootfs(&workspace, &context.join("rootfs"))?;
     let containerfile = workspace.join("deploy/container/Containerfile");
-    let revision = git(&workspace, &["rev-parse", "HEAD"]).unwrap_or_else(|| "unknown".into());
+    let revision = revision(&workspace);
     let source = git(&workspace, &["remote", "get-url", "origin"])
         .unwrap_or_else(|| format!("file://{}", workspace.display()));
 
     let inputs = format!(
         "{:016x}",
-        crate::deb::tree_digest(&context)? ^ text_digest(&[
-            &fs::read_to_string(&containerfile)?,
-            &revision,
-            &source
-        ])
+        crate::deb::tree_digest(&context)?
+            ^ text_digest(&[&fs::read_to_string(&containerfile)?, &revision, &source])
     );
     let previous = label(&tag, INPUTS_LABEL);
     if previous.as_deref() == Some(inputs.as_str()) {
@@ -59,10 +56,15 @@ pub fn image() -> Result<String> {
     build(&containerfile, &context, &tag, &args)?;
     if let Some(old) = old_id.filter(|old| image_id(&tag).as_ref() != Some(old)) {
         // The image this one replaces, untagged now; best effort.
-        let _ = Command::new("podman").args(["rmi", "--force", &old]).output();
+        let _ = Command::new("podman")
+            .args(["rmi", "--force", &old])
+            .output();
     }
     let size = podman_output(&["image", "inspect", "--format", "{{.Size}}", &tag])?;
-    eprintln!("image: built {tag} ({} KiB)", size.trim().parse::<u64>().unwrap_or(0) / 1024);
+    eprintln!(
+        "image: built {tag} ({} KiB)",
+        size.trim().parse::<u64>().unwrap_or(0) / 1024
+    );
     Ok(tag)
 }
 
@@ -79,7 +81,14 @@ fn build(containerfile: &Path, context: &Path, tag: &str, args: &BuildArgs<'_>) 
     let mut command = Command::new("podman");
     command
         .args(PODMAN_GLOBAL)
-        .args(["build", "--format", "oci", "--pull=never", "--layers=false", "--file"])
+        .args([
+            "build",
+            "--format",
+            "oci",
+            "--pull=never",
+            "--layers=false",
+            "--file",
+        ])
         .arg(containerfile)
         .args(["--tag", tag])
         .arg(format!("--label={INPUTS_LABEL}={}", args.inputs));
@@ -169,6 +178,22 @@ fn podman_output(args: &[&str]) -> Result<String> {
         bail!("podman {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// HEAD's commit, `-dirty` where tracked files differ from it (as `git describe --dirty`).
+fn revision(workspace: &Path) -> String {
+    let Some(head) = git(workspace, &["rev-parse", "HEAD"]) else {
+        return "unknown".into();
+    };
+    let changed = git(
+        workspace,
+        &["status", "--porcelain", "--untracked-files=no"],
+    );
+    if changed.is_some() {
+        format!("{head}-dirty")
+    } else {
+        head
+    }
 }
 
 fn git(workspace: &Path, args: &[&str]) -> Option<String> {

@@ -228,15 +228,26 @@ fn debian_rootfs() -> Result<PathBuf> {
     if tarball.exists() {
         return Ok(tarball);
     }
-    let sources = ["/etc/apt/sources.list.d/debian.sources", "/etc/apt/sources.list"]
-        .into_iter()
-        .find(|path| Path::new(path).exists())
-        .context("no apt sources (/etc/apt/sources.list.d/debian.sources or sources.list)")?;
+    let sources = [
+        "/etc/apt/sources.list.d/debian.sources",
+        "/etc/apt/sources.list",
+    ]
+    .into_iter()
+    .find(|path| Path::new(path).exists())
+    .context("no apt sources (/etc/apt/sources.list.d/debian.sources or sources.list)")?;
     std::fs::create_dir_all(cache_dir())?;
     let partial = tarball.with_extension("tar.partial");
-    eprintln!("setup: mmdebstrap: Debian 12 into {} (about 2 minutes)", tarball.display());
+    eprintln!(
+        "setup: mmdebstrap: Debian 12 into {} (about 2 minutes)",
+        tarball.display()
+    );
     run(Command::new("mmdebstrap")
-        .args(["--variant=minbase", "--include=systemd,procps", "--format=tar", "bookworm"])
+        .args([
+            "--variant=minbase",
+            "--include=systemd,procps",
+            "--format=tar",
+            "bookworm",
+        ])
         .arg(&partial)
         .arg(sources))
     .context("mmdebstrap failed; fix: check that this machine reaches Debian's package mirror")?;
