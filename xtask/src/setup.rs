@@ -34,8 +34,11 @@ const APT_PACKAGES: &[(&str, Option<&str>)] = &[
     // the image, with runc (crun refuses this host's hybrid cgroup layout).
     ("podman", None),
     ("runc", None),
-    // `cargo xtask deb` checks its package, and the package test installs it into a fresh
-    // Debian 12 root that mmdebstrap makes (tests/package.rs).
+    // `cargo xtask deb`: dpkg-shlibdeps (dpkg-dev) and strip (binutils); lintian checks the
+    // package, and the package test installs it into a fresh Debian 12 root that mmdebstrap
+    // makes (tests/package.rs).
+    ("dpkg-dev", None),
+    ("binutils", None),
     ("lintian", None),
     ("mmdebstrap", None),
 ];
