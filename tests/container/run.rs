@@ -78,7 +78,10 @@ pub async fn check(manifests: &Manifests) -> Result<String, String> {
     match outcome {
         Ok(seen) => {
             let stopped = container.stop(run.grace_s)?;
-            Ok(format!("{seen}; {stopped}"))
+            Ok(format!(
+                "{seen}; {stopped}\nguard's log:\n{}",
+                container.logs()
+            ))
         }
         Err(failure) => Err(format!("{failure}\nguard's log (last lines):\n{logs}")),
     }
@@ -183,8 +186,10 @@ async fn reap(node: &Node, llama: &Llama, metrics: std::net::SocketAddr) -> Resu
                 .into(),
         );
     }
+    let latency = metric(metrics, "guard_reap_latency_seconds_sum").await / kernel;
     Ok(format!(
-        "reaped a closed stream, slot free {} ms after the close",
+        "reaped a closed stream {:.1} ms after the kernel's close event, llama-server's slot free {} ms after the close",
+        latency * 1000.0,
         freed.as_millis()
     ))
 }
@@ -195,6 +200,7 @@ async fn reap(node: &Node, llama: &Llama, metrics: std::net::SocketAddr) -> Resu
 async fn freeze_and_restore(node: &Node, metrics: std::net::SocketAddr) -> Result<String, String> {
     let listen = std::net::SocketAddr::from(([127, 0, 0, 1], node.listen_port));
     let freeze_file = node.batch_cgroup.join("cgroup.freeze");
+    let busy = busy_in(&node.batch_cgroup)?;
     let long = json!({"prompt": "Write a long story.", "n_predict": 100_000, "ignore_eos": true});
     let mut batch = Vec::new();
     for _ in 0..node.slots {
@@ -227,7 +233,13 @@ async fn freeze_and_restore(node: &Node, metrics: std::net::SocketAddr) -> Resul
             freeze_file.display()
         ));
     }
-    let cpu = cpu_over(node.busy.0.id(), Duration::from_millis(300));
+    // The kernel's word that every task in it has stopped.
+    let events = node.batch_cgroup.join("cgroup.events");
+    poll("the kernel reports the batch cgroup frozen", async || {
+        read(&events).lines().any(|line| line == "frozen 1")
+    })
+    .await?;
+    let cpu = cpu_over(busy.0.id(), Duration::from_millis(300));
     if cpu > 0.02 {
         return Err(format!(
             "the frozen batch process used {cpu} CPU s in 0.3 s"
@@ -259,7 +271,7 @@ async fn freeze_and_restore(node: &Node, metrics: std::net::SocketAddr) -> Resul
 }
 
 /// The node as the pod finds it: the config's ports, the class cgroups a cgroup2 directory,
-/// a busy process in the batch class's cgroup.
+/// the batch class's cgroup made.
 struct Node {
     listen_port: u16,
     metrics_port: u16,
@@ -267,7 +279,6 @@ struct Node {
     slots: usize,
     batch_cgroup: PathBuf,
     state_dir: PathBuf,
-    busy: ChildGuard,
     _classes: ClassCgroups,
 }
 
@@ -303,14 +314,6 @@ impl Node {
         let classes = ClassCgroups::prepare(&mount.host)?;
         std::fs::create_dir_all(&host_cgroup)
             .map_err(|e| format!("{}: {e}", host_cgroup.display()))?;
-        let busy = ChildGuard(
-            Command::new("sh")
-                .args(["-c", "while :; do :; done"])
-                .spawn()
-                .map_err(|e| e.to_string())?,
-        );
-        std::fs::write(host_cgroup.join("cgroup.procs"), busy.0.id().to_string())
-            .map_err(|e| format!("moving the busy process: {e}"))?;
         Ok(Self {
             listen_port: port(&config["server"]["listen"])?,
             metrics_port: port(&config["metrics"]["listen"])?,
@@ -321,10 +324,22 @@ impl Node {
                 .unwrap_or(1) as usize,
             batch_cgroup: host_cgroup,
             state_dir,
-            busy,
             _classes: classes,
         })
     }
+}
+
+/// A CPU-bound process in `cgroup`, as a batch job the node runs there; killed on drop.
+fn busy_in(cgroup: &Path) -> Result<ChildGuard, String> {
+    let busy = ChildGuard(
+        Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .map_err(|e| e.to_string())?,
+    );
+    std::fs::write(cgroup.join("cgroup.procs"), busy.0.id().to_string())
+        .map_err(|e| format!("moving the busy process into {}: {e}", cgroup.display()))?;
+    Ok(busy)
 }
 
 /// The mount whose container path is `at`.
@@ -413,8 +428,6 @@ fn is_cgroup2(path: &Path) -> bool {
 impl Drop for Node {
     fn drop(&mut self) {
         let _ = std::fs::write(self.batch_cgroup.join("cgroup.freeze"), "0");
-        let _ = self.busy.0.kill();
-        let _ = self.busy.0.wait();
         let _ = std::fs::remove_dir(&self.batch_cgroup);
     }
 }
