@@ -34,6 +34,10 @@ fn image_or_skip() -> Option<()> {
         println!("container: skipped: podman is not installed; fix: cargo xtask setup");
         return None;
     }
+    if let Err(why) = run::has_storage() {
+        println!("container: skipped: podman cannot store images here: {why}");
+        return None;
+    }
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let out = Command::new(cargo)
         .args(["xtask", "image"])

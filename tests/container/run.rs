@@ -41,19 +41,27 @@ fn podman() -> Command {
     command
 }
 
+/// Ok where podman's storage works (`podman info`): it can hold the image; the reason in one
+/// line otherwise.
+pub fn has_storage() -> Result<(), String> {
+    last_error(podman().args(["info", "--format", "{{.Store.GraphDriverName}}"]))
+}
+
 /// Ok where podman starts the image (`guard --version`); the reason in one line otherwise.
 pub fn can_start_containers(image: &str) -> Result<(), String> {
-    let out = podman()
-        .args([
-            "run",
-            "--rm",
-            "--pull=never",
-            "--network=none",
-            image,
-            "--version",
-        ])
-        .output()
-        .map_err(|e| e.to_string())?;
+    last_error(podman().args([
+        "run",
+        "--rm",
+        "--pull=never",
+        "--network=none",
+        image,
+        "--version",
+    ]))
+}
+
+/// Ok where `command` succeeds, else the last line it wrote to stderr.
+fn last_error(command: &mut Command) -> Result<(), String> {
+    let out = command.output().map_err(|e| e.to_string())?;
     if out.status.success() {
         return Ok(());
     }
