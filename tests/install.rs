@@ -1,8 +1,8 @@
-//! `cargo xtask install --root DIR` as a packager meets it: the binary, config and unit land
-//! under DIR, the installed binary runs and accepts the installed config, a second install keeps
-//! the admin's config, and the installed systemd unit passes `systemd-analyze verify` with the
-//! capabilities and hardening the deployment relies on, and `systemd-analyze security` rates its
-//! exposure at 3.0 or less.
+//! `cargo xtask install --root DIR` as a packager meets it: the binary, config, unit,
+//! dashboard and alert rules land under DIR, the installed binary runs and accepts the
+//! installed config, a second install keeps the admin's config, and the installed systemd unit
+//! passes `systemd-analyze verify` with the capabilities and hardening the deployment relies
+//! on, and `systemd-analyze security` rates its exposure at 3.0 or less.
 
 use std::{
     os::unix::fs::PermissionsExt as _,
@@ -16,6 +16,8 @@ const BINARY: &str = "usr/local/bin/guard";
 const CONFIG: &str = "etc/guard/guard.toml";
 const UNIT: &str = "etc/systemd/system/guard.service";
 const STATE_DIR: &str = "var/lib/guard";
+const DASHBOARD: &str = "usr/local/share/guard/guard-dashboard.json";
+const ALERTS: &str = "usr/local/share/guard/guard-alerts.yml";
 
 /// The capabilities the unit grants, no more: loading the eBPF program and its maps, and
 /// attaching it to the tracepoint (perf_event_open). guard drops both once it is attached.
@@ -61,7 +63,7 @@ fn install_into_a_temporary_root() {
     let log = String::from_utf8_lossy(&output.stderr);
     assert!(log.contains("install: "), "no install: lines:\n{log}");
 
-    for path in [BINARY, CONFIG, UNIT] {
+    for path in [BINARY, CONFIG, UNIT, DASHBOARD, ALERTS] {
         assert!(
             root.join(path).is_file(),
             "{path} was not installed:\n{log}"

@@ -1,7 +1,8 @@
 //! deploy/kubernetes, checked offline: the core manifests against Kubernetes 1.37's schema
 //! (`kubernetes-validate --strict`), the whole directory with `checkov` (every failed check
 //! explained in the README), and the Prometheus operator's objects against what they mirror
-//! (no schema ships offline for those).
+//! (no schema ships offline for those), and the image the DaemonSet names is the one
+//! `cargo xtask image` tags.
 
 use std::{path::PathBuf, process::Command};
 
@@ -123,4 +124,24 @@ print("ok")
         .arg(script)
         .arg(root().join("deploy")));
     assert!(ok && text.trim() == "ok", "{text}");
+}
+
+#[test]
+fn the_daemonset_names_the_image_cargo_xtask_image_builds() {
+    let script = r#"
+import sys, yaml
+spec = yaml.safe_load(open(sys.argv[1]))["spec"]["template"]["spec"]
+print(spec["containers"][0]["image"])
+"#;
+    let (ok, text) = run(Command::new(tool("python3"))
+        .arg("-c")
+        .arg(script)
+        .arg(manifests().join("daemonset.yaml")));
+    assert!(ok, "{text}");
+    // `cargo xtask image` tags localhost/guard:VERSION; a runtime finds it as guard:VERSION.
+    assert_eq!(
+        text.trim(),
+        format!("guard:{}", env!("CARGO_PKG_VERSION")),
+        "the DaemonSet names another image than the one `cargo xtask image` builds"
+    );
 }

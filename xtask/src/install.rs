@@ -1,5 +1,6 @@
 //! `cargo xtask install [--root DIR]`: builds the release binary and installs it with its
-//! config (never overwriting one) and its systemd unit.
+//! config (never overwriting one), its systemd unit, the dashboard and the alert rules; the
+//! Debian package (`cargo xtask deb`) stages the same files in Debian's places.
 
 use std::{
     fs,
@@ -11,42 +12,51 @@ use std::{
 
 use anyhow::{Context as _, Result};
 
-/// Where the binary goes, relative to the root.
-const BINARY: &str = "usr/local/bin/guard";
+/// Where each installed file goes, relative to the root.
+pub struct Layout {
+    /// The binary; the unit's `ExecStart=` and `ExecStopPost=` name it.
+    pub binary: &'static str,
+    /// The systemd unit; ours, so a newer one replaces it.
+    pub unit: &'static str,
+    /// The Grafana dashboard and the Prometheus alert rules.
+    pub share: &'static str,
+}
+
+/// `cargo xtask install`: the admin's own software, under /usr/local and /etc/systemd.
+pub const LOCAL: Layout = Layout {
+    binary: "usr/local/bin/guard",
+    unit: "etc/systemd/system/guard.service",
+    share: "usr/local/share/guard",
+};
+
+/// The Debian package: the distribution's places (bookworm's units live in /lib).
+pub const DEBIAN: Layout = Layout {
+    binary: "usr/bin/guard",
+    unit: "lib/systemd/system/guard.service",
+    share: "usr/share/guard",
+};
+
 /// Where the config goes; an existing one is never touched.
-const CONFIG: &str = "etc/guard/guard.toml";
-/// Where the unit goes; it is ours, so a newer one replaces it.
-const UNIT: &str = "etc/systemd/system/guard.service";
+pub const CONFIG: &str = "etc/guard/guard.toml";
 /// logrotate's rule for the access log; ours, so a newer one replaces it.
-const LOGROTATE: &str = "etc/logrotate.d/guard";
+pub const LOGROTATE: &str = "etc/logrotate.d/guard";
 /// guard's state directory (`risk.state_dir`): original cgroup values it must restore.
-const STATE_DIR: &str = "var/lib/guard";
+pub const STATE_DIR: &str = "var/lib/guard";
+/// The path the unit in deploy/systemd names the binary by.
+const UNIT_BINARY: &str = "/usr/local/bin/guard";
+/// What goes under [`Layout::share`], from the workspace.
+const SHARED: &[&str] = &[
+    "deploy/grafana/guard-dashboard.json",
+    "deploy/prometheus/guard-alerts.yml",
+];
 
 /// Builds `guard` in release mode and installs it under `root` (`/` when `None`).
 pub fn install(root: Option<&Path>) -> Result<()> {
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let workspace = fs::canonicalize(&workspace).unwrap_or(workspace);
+    let workspace = workspace();
     let root = root.unwrap_or(Path::new("/"));
 
     build(&workspace)?;
-
-    let built = target_dir(&workspace).join("release/guard");
-    replace_file(&built, &root.join(BINARY), 0o755)?;
-    install_config(
-        &workspace.join("deploy/guard.example.toml"),
-        &root.join(CONFIG),
-    )?;
-    replace_file(
-        &workspace.join("deploy/systemd/guard.service"),
-        &root.join(UNIT),
-        0o644,
-    )?;
-    replace_file(
-        &workspace.join("deploy/logrotate/guard"),
-        &root.join(LOGROTATE),
-        0o644,
-    )?;
-    state_dir(&root.join(STATE_DIR))?;
+    stage(&workspace, root, &LOCAL)?;
 
     if root == Path::new("/") && on_path("systemctl") {
         eprintln!("install: done; to start guard now and at every boot, run:");
@@ -57,8 +67,45 @@ pub fn install(root: Option<&Path>) -> Result<()> {
     Ok(())
 }
 
+/// The workspace's root directory.
+pub fn workspace() -> PathBuf {
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    fs::canonicalize(&workspace).unwrap_or(workspace)
+}
+
+/// Installs the built binary and its files under `root` in `layout`'s places.
+pub fn stage(workspace: &Path, root: &Path, layout: &Layout) -> Result<()> {
+    let built = release_binary(workspace);
+    replace_file(&built, &root.join(layout.binary), 0o755)?;
+    install_config(
+        &workspace.join("deploy/guard.example.toml"),
+        &root.join(CONFIG),
+    )?;
+    let unit_source = workspace.join("deploy/systemd/guard.service");
+    let unit = fs::read_to_string(&unit_source)
+        .with_context(|| format!("reading {}", unit_source.display()))?
+        .replace(UNIT_BINARY, &format!("/{}", layout.binary));
+    replace_contents(unit.as_bytes(), &root.join(layout.unit), 0o644)?;
+    replace_file(
+        &workspace.join("deploy/logrotate/guard"),
+        &root.join(LOGROTATE),
+        0o644,
+    )?;
+    for shared in SHARED {
+        let from = workspace.join(shared);
+        let name = from.file_name().context("a shared file's name")?;
+        replace_file(&from, &root.join(layout.share).join(name), 0o644)?;
+    }
+    state_dir(&root.join(STATE_DIR))
+}
+
+/// The release binary `build` makes.
+pub fn release_binary(workspace: &Path) -> PathBuf {
+    target_dir(workspace).join("release/guard")
+}
+
 /// `cargo build --release -p guard-cli` (the `guard` binary) in the workspace.
-fn build(workspace: &Path) -> Result<()> {
+pub fn build(workspace: &Path) -> Result<()> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut command = Command::new(cargo);
     command
@@ -69,16 +116,22 @@ fn build(workspace: &Path) -> Result<()> {
 }
 
 /// The build's target directory: `CARGO_TARGET_DIR` (relative to the workspace) or `target`.
-fn target_dir(workspace: &Path) -> PathBuf {
+pub fn target_dir(workspace: &Path) -> PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {
         Some(dir) => workspace.join(dir),
         None => workspace.join("target"),
     }
 }
 
-/// Copies `from` to `to` with `mode`, through a temporary name in the same directory and a
-/// rename, so that `to` is never seen half written (a running binary is replaced, not edited).
+/// Copies `from` to `to` with `mode` (see [`replace_contents`]).
 fn replace_file(from: &Path, to: &Path, mode: u32) -> Result<()> {
+    let contents = fs::read(from).with_context(|| format!("reading {}", from.display()))?;
+    replace_contents(&contents, to, mode)
+}
+
+/// Writes `contents` to `to` with `mode`, through a temporary name in the same directory and a
+/// rename, so that `to` is never seen half written (a running binary is replaced, not edited).
+fn replace_contents(contents: &[u8], to: &Path, mode: u32) -> Result<()> {
     create_parent(to)?;
     let file_name = to
         .file_name()
@@ -88,9 +141,9 @@ fn replace_file(from: &Path, to: &Path, mode: u32) -> Result<()> {
     temp_name.push(".install-tmp");
     let temp = to.with_file_name(temp_name);
 
-    let placed = fs::copy(from, &temp)
-        .with_context(|| format!("copying {} to {}", from.display(), temp.display()))
-        .and_then(|_| {
+    let placed = fs::write(&temp, contents)
+        .with_context(|| format!("writing {}", temp.display()))
+        .and_then(|()| {
             fs::set_permissions(&temp, fs::Permissions::from_mode(mode))
                 .with_context(|| format!("setting the mode of {}", temp.display()))
         })

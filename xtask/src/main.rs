@@ -1,4 +1,4 @@
-//! Project tasks, run with `cargo xtask <task>`: setup, test, demo, bench.
+//! Project tasks, run with `cargo xtask <task>`: setup, test, demo, bench, install, deb, image.
 //!
 //! xtask never depends on guard itself: it must build on a fresh machine before `setup` has
 //! installed what guard's eBPF build needs.
@@ -7,8 +7,10 @@
 
 mod conformance;
 mod crates;
+mod deb;
 mod fuzz;
 mod gpu;
+mod image;
 mod install;
 mod kernels;
 mod lengths;
@@ -46,6 +48,11 @@ enum Task {
         #[arg(long)]
         root: Option<std::path::PathBuf>,
     },
+    /// Build guard_VERSION_amd64.deb under target/deb (skipped when its inputs are unchanged).
+    Deb,
+    /// Build the OCI image localhost/guard:VERSION from deploy/container/Containerfile,
+    /// offline (skipped when its inputs are unchanged).
+    Image,
     /// llama.cpp's server test suite straight and through guard; fails on any test that
     /// passes straight and not through guard.
     Conformance {
@@ -86,6 +93,8 @@ fn main() -> Result<()> {
         } => fuzz::bench(),
         Task::Bench { which, parts } => tasks::bench(which, &parts),
         Task::Install { root } => install::install(root.as_deref()),
+        Task::Deb => deb::deb().map(|_| ()),
+        Task::Image => image::image().map(|_| ()),
         Task::GpuCheck => tasks::gpu_check(),
         Task::Conformance { args } => conformance::conformance(&args),
         Task::Kernels { only } => matrix::kernels(only.as_deref()),

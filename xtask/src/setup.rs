@@ -30,6 +30,17 @@ const APT_PACKAGES: &[(&str, Option<&str>)] = &[
     ("wrk", None),
     // `bench proxy flame`: where guard's time goes.
     ("linux-perf", None),
+    // `cargo xtask image` and the container test (tests/container.rs): podman builds and runs
+    // the image, with runc (crun refuses this host's hybrid cgroup layout).
+    ("podman", None),
+    ("runc", None),
+    // `cargo xtask deb`: dpkg-shlibdeps (dpkg-dev) and strip (binutils); lintian checks the
+    // package, and the package test installs it into a fresh Debian 12 root that mmdebstrap
+    // makes (tests/package.rs).
+    ("dpkg-dev", None),
+    ("binutils", None),
+    ("lintian", None),
+    ("mmdebstrap", None),
 ];
 
 /// Python clients the end-to-end tests drive guard with.
@@ -46,6 +57,8 @@ pub struct Installed {
     pub llama: Llama,
     /// `checkov` and `kubernetes-validate`, in a virtual environment of their own.
     pub kube_tools: PathBuf,
+    /// A fresh Debian 12 root file system (a tarball) to install the package into.
+    pub debian_rootfs: PathBuf,
 }
 
 /// The Kubernetes manifests' validators, kept apart from the system's Python: checkov pins
@@ -60,7 +73,12 @@ pub fn all() -> Result<Installed> {
     step("python clients", python_clients)?;
     let llama = step("llama-server and model", || llama::ensure(&cache_dir()))?;
     let kube_tools = step("kubernetes validators", kube_tools)?;
-    Ok(Installed { llama, kube_tools })
+    let debian_rootfs = step("debian 12 root file system", debian_rootfs)?;
+    Ok(Installed {
+        llama,
+        kube_tools,
+        debian_rootfs,
+    })
 }
 
 /// Where downloads and builds are kept between runs, outside the clone.
@@ -203,6 +221,41 @@ fn kube_tools() -> Result<PathBuf> {
         .args(KUBE_TOOLS))
     .context("pip install of the Kubernetes validators failed; fix: check that pip reaches the package index")?;
     Ok(bin)
+}
+
+/// Debian 12 (minbase, with systemd for `systemctl` and `systemd-analyze`, and procps, whose
+/// /bin/kill the unit's ExecReload= runs, as any standard install has), made once by
+/// mmdebstrap from this host's own apt sources; the package test unpacks a copy per run.
+fn debian_rootfs() -> Result<PathBuf> {
+    let tarball = cache_dir().join("debian-12-systemd-procps.tar");
+    if tarball.exists() {
+        return Ok(tarball);
+    }
+    let sources = [
+        "/etc/apt/sources.list.d/debian.sources",
+        "/etc/apt/sources.list",
+    ]
+    .into_iter()
+    .find(|path| Path::new(path).exists())
+    .context("no apt sources (/etc/apt/sources.list.d/debian.sources or sources.list)")?;
+    std::fs::create_dir_all(cache_dir())?;
+    let partial = tarball.with_extension("tar.partial");
+    eprintln!(
+        "setup: mmdebstrap: Debian 12 into {} (about 2 minutes)",
+        tarball.display()
+    );
+    run(Command::new("mmdebstrap")
+        .args([
+            "--variant=minbase",
+            "--include=systemd,procps",
+            "--format=tar",
+            "bookworm",
+        ])
+        .arg(&partial)
+        .arg(sources))
+    .context("mmdebstrap failed; fix: check that this machine reaches Debian's package mirror")?;
+    std::fs::rename(&partial, &tarball)?;
+    Ok(tarball)
 }
 
 /// Runs a command with its output shown; fails on a non-zero exit.
