@@ -29,8 +29,11 @@ use crate::{
     },
 };
 
-/// How long guard waits for llama-server to let go of a stopped generation's slot.
-const SLOT_FREE_BOUND: Duration = Duration::from_millis(500);
+/// How long guard waits for llama-server to let go of a stopped generation's slot. It lets go
+/// at its next token, which on a loaded CPU box can take a second or more; the request that
+/// preempted could not start there sooner anyway, and the stopped job's last tokens are
+/// counted (`generated_alone`) only once it has let go. A bound only for a server that hangs.
+const SLOT_FREE_BOUND: Duration = Duration::from_secs(5);
 
 impl QueuedRequest {
     /// Sends a preemptible request upstream and relays its answer, pausing and going on as
