@@ -30,6 +30,8 @@ const APT_PACKAGES: &[(&str, Option<&str>)] = &[
     ("wrk", None),
     // `bench proxy flame`: where guard's time goes.
     ("linux-perf", None),
+    // The logbook report's test opens the page headless and screenshots it.
+    ("chromium", None),
 ];
 
 /// Python clients the end-to-end tests drive guard with.
