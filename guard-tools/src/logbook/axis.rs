@@ -30,9 +30,9 @@ pub struct LogAxis {
 
 impl LogAxis {
     /// An axis holding every positive value, at least a factor of three from end to end (1–10
-    /// where there is none), with room on the left and `right_room` (a share of its length)
-    /// on the right, for labels beside the largest values.
-    pub fn around(values: impl Iterator<Item = f64>, right_room: f64) -> Self {
+    /// where there is none), with `room` (a share of its length) kept clear at either end, for
+    /// labels beside the smallest and largest values.
+    pub fn around(values: impl Iterator<Item = f64>, room: f64) -> Self {
         let (min, max) = values
             .filter(|v| v.is_finite() && *v > 0.0)
             .fold((f64::INFINITY, 0.0_f64), |(lo, hi), v| {
@@ -40,10 +40,11 @@ impl LogAxis {
             });
         let (mut lo, mut hi) = match min.is_finite() {
             true => {
-                let lo = min / 1.2;
-                // ln(hi / max) = right_room × ln(hi / lo), solved for hi.
-                let room = right_room / (1.0 - right_room) * (max / lo).ln();
-                (lo, max * room.exp().max(1.2))
+                // ln(min / lo) = ln(hi / max) = room × ln(hi / lo), solved for lo and hi.
+                let pad = (room / (1.0 - 2.0 * room) * (max / min).ln())
+                    .exp()
+                    .max(1.2);
+                (min / pad, max * pad)
             }
             false => (1.0, 10.0),
         };
@@ -131,8 +132,9 @@ mod tests {
     }
 
     #[test]
-    fn room_is_kept_on_the_right_for_labels() {
+    fn room_is_kept_at_either_end_for_labels() {
         let axis = LogAxis::around([10.0, 1_000.0].into_iter(), 0.2);
+        assert_eq!(axis.map(&10.0, (0, 1_000)), 200);
         assert_eq!(axis.map(&1_000.0, (0, 1_000)), 800);
     }
 }

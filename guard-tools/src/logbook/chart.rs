@@ -20,8 +20,9 @@ pub const ECDF_SIZE: (u32, u32) = (660, 480);
 pub const BAR_SIZE: (u32, u32) = (320, 280);
 /// Tick labels, legend and marks; plotters writes SVG text at 1/1.24 of this.
 const LABEL: u32 = 16;
-/// The share of a distribution's axis kept right of the largest sample: its p95 label's room.
-const LABEL_ROOM: f64 = 0.15;
+/// The share of a distribution's axis kept clear at either end: room for the p50 and p95
+/// labels of the fastest and the slowest entry.
+const LABEL_ROOM: f64 = 0.14;
 const GUIDE: RGBColor = RGBColor(150, 150, 150);
 
 type Drawn<DB> = Result<(), DrawingAreaErrorKind<<DB as DrawingBackend>::ErrorType>>;
@@ -121,7 +122,7 @@ fn run_ticks(
         let points = vec![(spread.run_p50_min, 0.5), (spread.run_p50_max, 0.5)];
         return vec![PathElement::new(points, colour.mix(0.5).stroke_width(6))];
     }
-    let tick = |v: f64| PathElement::new(vec![(v, 0.43), (v, 0.57)], colour.stroke_width(2));
+    let tick = |v: f64| PathElement::new(vec![(v, 0.46), (v, 0.54)], colour.stroke_width(2));
     values.into_iter().map(tick).collect()
 }
 
@@ -147,9 +148,9 @@ fn marks<DB: DrawingBackend>(
         let (width, _) = chart.plotting_area().estimate_text_size(&text, &style)?;
         let room = chart.backend_coord(&(value, share)).0 + 10 + width as i32 <= right_edge;
         let (offset, pos) = match (highest, room) {
-            (true, true) => ((8, 4), Pos::new(HPos::Left, VPos::Top)),
-            (true, false) => ((-8, 4), Pos::new(HPos::Right, VPos::Top)),
-            (false, _) => ((-8, -4), Pos::new(HPos::Right, VPos::Bottom)),
+            (true, true) => ((8, 6), Pos::new(HPos::Left, VPos::Top)),
+            (true, false) => ((-8, 6), Pos::new(HPos::Right, VPos::Top)),
+            (false, _) => ((-8, -6), Pos::new(HPos::Right, VPos::Bottom)),
         };
         let mark = EmptyElement::at((value, share))
             + Circle::new((0, 0), 5, colour.filled())
