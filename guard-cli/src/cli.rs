@@ -61,7 +61,7 @@ pub enum Command {
     },
     /// Record a baseline run in the logbook: a fixed input set against a named model.
     Bench(Box<BenchArgs>),
-    /// List, check due retests, compare, and plot logbook entries.
+    /// List, check due retests, compare, and report on logbook entries.
     Logbook {
         /// The logbook file.
         #[arg(long, default_value = guard_tools::logbook::DEFAULT_PATH, global = true)]

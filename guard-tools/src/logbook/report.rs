@@ -200,6 +200,26 @@ mod tests {
     }
 
     #[test]
+    fn a_figure_measured_on_one_side_only_is_drawn_with_the_other_said_unavailable() {
+        let a = entry("m");
+        let mut b = entry("m");
+        b.energy_joules = crate::logbook::entry::Maybe::Value(12.5);
+        let page = html(&[&a, &b]).expect("a page");
+        let start = page
+            .find("<svg id=\"chart-energy\"")
+            .expect("the energy chart");
+        let chart = &page[start..start + page[start..].find("</svg>").expect("its end")];
+        // B's bar in B's colour, none in A's: A's place says why.
+        assert!(chart.contains("fill=\"#D55E00\""), "{chart}");
+        assert!(!chart.contains("fill=\"#0072B2\""), "{chart}");
+        assert!(chart.contains("\nunavailable\n"), "{chart}");
+        assert!(
+            page.contains("mean power: unavailable"),
+            "neither side measured it"
+        );
+    }
+
+    #[test]
     fn the_extension_picks_the_output() {
         assert_eq!(Output::of(Path::new("r.HTML")).ok(), Some(Output::Html));
         assert_eq!(Output::of(Path::new("r.png")).ok(), Some(Output::Png));
