@@ -1,7 +1,7 @@
 //! `guard bench` and `guard logbook` as a user runs them: a baseline against the real
-//! llama-server (every field recorded, a planted quality failure caught), the cold-start path
-//! against the Ollama emulator (Ollama cannot be installed here), and due, compare and report
-//! on fixture entries.
+//! llama-server (every field recorded, a planted quality failure caught), the report of two
+//! real runs opened in headless Chromium, the cold-start path against the Ollama emulator
+//! (Ollama cannot be installed here), and due, compare and report on fixture entries.
 
 use std::{
     path::{Path, PathBuf},
@@ -14,7 +14,7 @@ use guard_tests::{
 };
 use guard_tools::logbook::{
     Entry,
-    entry::{InputSet, Maybe, Spread},
+    entry::{InputSet, Maybe, Runs, Spread},
 };
 
 fn bench(args: &[&str], logbook: &Path) -> Entry {
@@ -253,10 +253,26 @@ fn fixture(
         quality_failures: failures,
         abstentions: 0,
         ttft_samples_ms: vec![ttft_p50 * 0.8, ttft_p50, ttft_p50 * 1.5],
+        runs: Runs::default(),
         decision: "baseline".to_owned(),
         owner: "ada".to_owned(),
         retest_date: retest.parse().expect("date"),
     }
+}
+
+/// `guard logbook ARGS` on `logbook`: its exit code and standard output.
+fn logbook_cli(logbook: &Path, args: &[&str]) -> (Option<i32>, String) {
+    let output = Command::new(guard_bin())
+        .arg("logbook")
+        .arg("--logbook")
+        .arg(logbook)
+        .args(args)
+        .output()
+        .expect("guard logbook");
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+    )
 }
 
 #[test]
@@ -274,19 +290,7 @@ fn due_compare_and_report_on_fixture_entries() {
         &fixture("bbbb2222", 110.0, (100.0, 118.0), 150.0, 1, "2999-01-01"),
     )
     .expect("append");
-    let run = |args: &[&str]| {
-        let output = Command::new(guard_bin())
-            .arg("logbook")
-            .arg("--logbook")
-            .arg(&logbook)
-            .args(args)
-            .output()
-            .expect("guard logbook");
-        (
-            output.status.code(),
-            String::from_utf8_lossy(&output.stdout).into_owned(),
-        )
-    };
+    let run = |args: &[&str]| logbook_cli(&logbook, args);
     let (code, list) = run(&["list"]);
     assert_eq!(code, Some(0));
     assert!(
@@ -302,6 +306,12 @@ fn due_compare_and_report_on_fixture_entries() {
 
     let (code, compare) = run(&["compare", "aaaa", "bbbb"]);
     assert_eq!(code, Some(0));
+    assert_compare_speaks(&compare);
+    assert_reports_written(&logbook, &dir);
+}
+
+/// The table: units, integer counts, words for a change from zero, costs beside gains.
+fn assert_compare_speaks(compare: &str) {
     let line = |name: &str| {
         compare
             .lines()
@@ -309,30 +319,188 @@ fn due_compare_and_report_on_fixture_entries() {
             .unwrap_or_else(|| panic!("{name} in {compare}"))
             .to_owned()
     };
+    let ttft = line("TTFT p50");
     assert!(
-        line("TTFT p50 ms").ends_with("inside the runs' spread"),
+        ttft.contains(" ms ") && ttft.contains("(90–120)") && ttft.ends_with("within the spread"),
         "{compare}"
     );
-    assert!(line("decode tokens/s p50").ends_with("gain"), "{compare}");
-    assert!(line("quality failures").ends_with("COST"), "{compare}");
+    assert!(line("decode rate p50").ends_with("gain"), "{compare}");
+    let failures = line("quality failures");
     assert!(
-        compare.contains("costs: ") && compare.contains("quality failures"),
+        failures.contains(" count ") && failures.contains(" new ") && failures.ends_with("COST"),
+        "0 -> 1 is new, not inf%: {compare}"
+    );
+    assert!(
+        line("peak server RSS").contains("191"),
+        "MiB, not bytes: {compare}"
+    );
+    assert!(
+        !compare.contains("inf") && !compare.contains(".0 "),
+        "{compare}"
+    );
+    assert!(
+        line("costs: ").contains("quality_failures") && line("gains: ").contains("decode_rate"),
         "costs stand beside gains: {compare}"
     );
+}
 
-    let svg = dir.0.join("report.svg");
-    let (code, _) = run(&[
-        "report",
-        "aaaa",
-        "--compare",
-        "bbbb",
-        "--out",
-        svg.to_str().expect("utf-8"),
-    ]);
-    assert_eq!(code, Some(0));
-    let plot = std::fs::read_to_string(&svg).expect("svg");
+/// The TTFT chart alone as SVG and PNG, and the page with every figure.
+fn assert_reports_written(logbook: &Path, dir: &TempDir) {
+    for name in ["ttft.svg", "ttft.png", "report.html"] {
+        let out = dir.0.join(name);
+        let args = ["report", "aaaa", "--compare", "bbbb", "--out"];
+        let (code, _) = logbook_cli(
+            logbook,
+            &[&args[..], &[out.to_str().expect("utf-8")]].concat(),
+        );
+        assert_eq!(code, Some(0), "{name}");
+    }
+    let svg = std::fs::read_to_string(dir.0.join("ttft.svg")).expect("svg");
     assert!(
-        plot.starts_with("<svg") && plot.matches("<polyline").count() == 2,
-        "{plot}"
+        svg.starts_with("<svg") && svg.contains("TTFT (ms, log scale)"),
+        "{svg}"
     );
+    assert!(
+        svg.contains("A aaaa1111") && svg.contains("B bbbb2222"),
+        "{svg}"
+    );
+    let png = std::fs::read(dir.0.join("ttft.png")).expect("png");
+    assert!(png.starts_with(b"\x89PNG"), "a PNG file");
+    let page = std::fs::read_to_string(dir.0.join("report.html")).expect("html");
+    assert_eq!(page.matches("<svg id=\"chart-").count(), 4, "{page}");
+    assert!(page.contains("completion time: no samples"), "{page}");
+}
+
+/// Runs Debian's chromium headless on `page` with `args` (as root: no sandbox), bounded in
+/// time; its standard output and error.
+fn chromium(page: &Path, profile: &Path, args: &[&str]) -> (String, String) {
+    let output = Command::new("timeout")
+        .args([
+            "120",
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+        ])
+        .args([
+            "--no-first-run",
+            "--hide-scrollbars",
+            "--enable-logging=stderr",
+            "--v=0",
+        ])
+        .arg(format!("--user-data-dir={}", profile.display()))
+        .args(args)
+        .arg(format!("file://{}", page.display()))
+        .output()
+        .expect("chromium (cargo xtask setup installs Debian's chromium)");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "chromium: {stderr}");
+    (String::from_utf8_lossy(&output.stdout).into_owned(), stderr)
+}
+
+/// Chromium's console messages: each an error here, as the page runs no script.
+fn console_lines(stderr: &str) -> Vec<&str> {
+    stderr.lines().filter(|l| l.contains(":CONSOLE")).collect()
+}
+
+const SCREEN: (u32, u32) = (1400, 2400);
+
+/// The screenshot: the size asked for, not blank, A's and B's colours both drawn.
+fn assert_rendered(shot: &Path) {
+    let decoder = png::Decoder::new(std::io::BufReader::new(
+        std::fs::File::open(shot).expect("the screenshot"),
+    ));
+    let mut reader = decoder.read_info().expect("a PNG");
+    let mut pixels = vec![0; reader.output_buffer_size()];
+    let frame = reader.next_frame(&mut pixels).expect("a frame");
+    assert_eq!((frame.width, frame.height), SCREEN);
+    let channels = frame.color_type.samples();
+    let rgb: Vec<[u8; 3]> = pixels[..frame.buffer_size()]
+        .chunks_exact(channels)
+        .map(|p| [p[0], p[1], p[2]])
+        .collect();
+    let share =
+        |colour: [u8; 3]| rgb.iter().filter(|p| **p == colour).count() as f64 / rgb.len() as f64;
+    let white = share([255, 255, 255]);
+    assert!(white > 0.3 && white < 0.97, "white: {white}");
+    let colours: std::collections::HashSet<&[u8; 3]> = rgb.iter().collect();
+    assert!(colours.len() > 100, "{} colours", colours.len());
+    // The curves' and bars' colours (chart.rs COLOURS), exactly: drawn, not only the table.
+    for colour in [[0, 114, 178], [213, 94, 0]] {
+        assert!(share(colour) > 0.001, "{colour:?}: {}", share(colour));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_report_of_two_real_runs_renders_in_chromium() {
+    let _serial = serial().await;
+    let llama = LlamaServer::start(1).await;
+    let dir = TempDir::new("guard-logbook-report");
+    let baseline = Baseline::new(&dir, llama.addr);
+    let (a, b) = (baseline.run("2", "4"), baseline.run("2", "8"));
+    drop(llama);
+    let page = dir.0.join("report.html");
+    let output = Command::new(guard_bin())
+        .args(["logbook", "--logbook"])
+        .arg(&baseline.logbook)
+        .args(["report", &a.id, "--compare", &b.id, "--out"])
+        .arg(&page)
+        .output()
+        .expect("guard logbook report");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let html = std::fs::read_to_string(&page).expect("the page");
+    assert!(
+        !html.contains("<script") && !html.contains("src="),
+        "self-contained"
+    );
+    let charts = html.matches("<svg id=\"chart-").count();
+
+    let profile = dir.0.join("chromium");
+    let shot = dir.0.join("shot.png");
+    let size = format!("--window-size={},{}", SCREEN.0, SCREEN.1);
+    let (_, stderr) = chromium(
+        &page,
+        &profile,
+        &[&size, &format!("--screenshot={}", shot.display())],
+    );
+    assert_eq!(console_lines(&stderr), Vec::<&str>::new(), "{stderr}");
+    assert_rendered(&shot);
+    let (dom, _) = chromium(&page, &profile, &["--dump-dom"]);
+    for id in [
+        "ttft",
+        "completion",
+        "decode_rate",
+        "peak_server_rss",
+        "quality_failures",
+        "abstentions",
+    ] {
+        assert!(
+            dom.contains(&format!("<svg id=\"chart-{id}\"")),
+            "chart-{id} in {dom}"
+        );
+    }
+    assert_eq!(
+        dom.matches("<svg id=\"chart-").count(),
+        charts,
+        "every chart written is in the DOM"
+    );
+    assert_eq!(dom.matches("<tr class=").count(), 15, "a row a figure");
+    assert!(
+        dom.contains("queue delay (guard's x-guard-queue-ms): every request at 0 ms"),
+        "{dom}"
+    );
+
+    // The check above can fail: a page that breaks its own policy is caught.
+    let probe = dir.0.join("probe.html");
+    std::fs::write(
+        &probe,
+        html.replacen("<h1>", "<script>console.error(1)</script><h1>", 1),
+    )
+    .expect("write probe");
+    let (_, stderr) = chromium(&probe, &profile, &["--dump-dom"]);
+    assert_eq!(console_lines(&stderr).len(), 1, "{stderr}");
 }

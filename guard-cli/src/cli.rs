@@ -61,7 +61,7 @@ pub enum Command {
     },
     /// Record a baseline run in the logbook: a fixed input set against a named model.
     Bench(Box<BenchArgs>),
-    /// List, check due retests, compare, and plot logbook entries.
+    /// List, check due retests, compare, and report on logbook entries.
     Logbook {
         /// The logbook file.
         #[arg(long, default_value = guard_tools::logbook::DEFAULT_PATH, global = true)]
@@ -164,14 +164,33 @@ pub enum LogbookCommand {
     List,
     /// Entries whose retest date has come (exit 1 when any are due).
     Due,
-    /// Every figure of B against A: gains, costs, and what is inside the runs' spread.
-    Compare { a: String, b: String },
-    /// An SVG plot of the TTFT distribution of one entry, or two overlaid.
+    /// Every figure of B against A in its unit: gains, costs, and what is inside the runs'
+    /// spread.
+    Compare {
+        /// The entry compared against (an id or a unique prefix of one).
+        a: String,
+        /// The entry compared (an id or a unique prefix of one).
+        b: String,
+        /// table (aligned columns), json (one object: `rows`, `gains`, `costs`; a CI
+        /// fails on `.costs != []`), or csv (one line a figure).
+        #[arg(
+            long,
+            default_value = "table",
+            value_parser = PossibleValuesParser::new(usage::Format::NAMES)
+                .try_map(|format| format.parse::<usage::Format>())
+        )]
+        format: usage::Format,
+    },
+    /// A report of one entry, or of two compared: an HTML page with the table and every chart,
+    /// or the TTFT chart alone as SVG or PNG.
     Report {
+        /// The entry (an id or a unique prefix of one); A when compared.
         id: String,
-        /// A second entry to overlay.
+        /// A second entry, B, compared against the first (default: none, one entry alone).
         #[arg(long)]
         compare: Option<String>,
+        /// The file written, its kind by its extension: .html (the page), .svg or .png (the
+        /// TTFT chart alone). No default: required.
         #[arg(long)]
         out: PathBuf,
     },

@@ -190,22 +190,17 @@ fn logbook_command(path: &std::path::Path, command: LogbookCommand) -> anyhow::R
                 return Ok(ExitCode::FAILURE);
             }
         }
-        LogbookCommand::Compare { a, b } => {
-            print!(
-                "{}",
-                logbook::compare::compare(
-                    logbook::find(&entries, &a)?,
-                    logbook::find(&entries, &b)?
-                )
-            );
+        LogbookCommand::Compare { a, b, format } => {
+            let (a, b) = (logbook::find(&entries, &a)?, logbook::find(&entries, &b)?);
+            let comparison = logbook::compare::compare(a, b);
+            print!("{}", logbook::compare::render(&comparison, format)?);
         }
         LogbookCommand::Report { id, compare, out } => {
             let mut chosen = vec![logbook::find(&entries, &id)?];
             if let Some(other) = compare {
                 chosen.push(logbook::find(&entries, &other)?);
             }
-            std::fs::write(&out, logbook::report::ttft_cdf(&chosen))
-                .with_context(|| format!("writing {}", out.display()))?;
+            logbook::report::write(&chosen, &out)?;
             println!("wrote {}", out.display());
         }
     }

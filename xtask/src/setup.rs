@@ -41,6 +41,8 @@ const APT_PACKAGES: &[(&str, Option<&str>)] = &[
     ("binutils", None),
     ("lintian", None),
     ("mmdebstrap", None),
+    // The logbook report's test opens the page headless and screenshots it.
+    ("chromium", None),
 ];
 
 /// Python clients the end-to-end tests drive guard with.

@@ -56,6 +56,16 @@ impl Maybe {
     }
 }
 
+/// Every request's figures, one list a repetition: the report's distributions and each run's
+/// own value. Empty in entries recorded before the logbook kept them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Runs {
+    pub ttft_ms: Vec<Vec<f64>>,
+    pub completion_ms: Vec<Vec<f64>>,
+    pub decode_tokens_per_second: Vec<Vec<f64>>,
+    pub queue_delay_ms: Vec<Vec<f64>>,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct InputSet {
     pub path: String,
@@ -95,6 +105,8 @@ pub struct Entry {
     pub abstentions: usize,
     /// Every TTFT sample, for the report's distribution plot.
     pub ttft_samples_ms: Vec<f64>,
+    #[serde(default)]
+    pub runs: Runs,
     pub decision: String,
     pub owner: String,
     pub retest_date: jiff::civil::Date,
@@ -104,4 +116,12 @@ impl Entry {
     pub fn is_due(&self, today: jiff::civil::Date) -> bool {
         self.retest_date <= today
     }
+}
+
+/// An entry as the logbook stores it, for tests: TTFT samples only, as before `runs` was kept.
+#[cfg(test)]
+pub fn fixture(model: &str) -> Entry {
+    let line = r#"{"id":"0123456789ab","recorded_at":"2026-12-04T10:00:00Z","command":"c","model":"MODEL","model_digest":"d","runtime":"r","runtime_version":"v","launch_flags":"","api":"openai","url":"u","workload_class":"w","input_set":{"path":"p","sha256":"s","inputs":1},"repetitions":1,"cold_start_ms":"unavailable","warm_start_ms":1.0,"ttft_ms":{"p50":2.0,"p95":3.0,"run_p50_min":2.0,"run_p50_max":2.0},"completion_ms":{"p50":1.0,"p95":2.0,"run_p50_min":1.0,"run_p50_max":1.0},"decode_tokens_per_second":{"p50":1.0,"p95":2.0,"run_p50_min":1.0,"run_p50_max":1.0},"queue_delay_ms":{"p50":0.0,"p95":0.0,"run_p50_min":0.0,"run_p50_max":0.0},"peak_server_rss_bytes":"unavailable","peak_gpu_memory_bytes":"unavailable","energy_joules":"unavailable","mean_power_watts":"unavailable","quality_failures":0,"abstentions":0,"ttft_samples_ms":[1.0,2.0,3.0],"decision":"d","owner":"o","retest_date":"2027-01-03"}"#;
+    let line = line.replace("MODEL", &model.replace('"', "\\\""));
+    serde_json::from_str(&line).expect("an entry as the logbook stores it")
 }

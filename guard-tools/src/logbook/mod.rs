@@ -1,8 +1,12 @@
 //! The benchmark logbook (docs/design.md §9): `guard bench` records a baseline run as one JSON
-//! line; `guard logbook` lists entries, flags due retests, compares two, and draws a report.
+//! line; `guard logbook` lists entries, flags due retests, compares two, and writes a report.
 
+mod axis;
+mod chart;
 pub mod compare;
 pub mod entry;
+pub mod figures;
+mod page;
 pub mod report;
 pub mod run;
 
@@ -55,6 +59,8 @@ pub enum LogbookError {
     NotBack { waited: std::time::Duration },
     #[error("an entry cannot be written")]
     Encode(#[source] serde_json::Error),
+    #[error("the comparison cannot be written as csv")]
+    Csv(#[source] csv::Error),
 }
 
 impl LogbookError {

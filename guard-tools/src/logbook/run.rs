@@ -17,7 +17,7 @@ use sha2::{Digest as _, Sha256};
 
 use super::{
     LogbookError,
-    entry::{Entry, InputSet, Maybe, Spread},
+    entry::{Entry, InputSet, Maybe, Runs, Spread},
 };
 use guard::{
     config::Api,
@@ -526,6 +526,12 @@ fn entry(
         completion_ms: Spread::of(&measured.completion),
         decode_tokens_per_second: Spread::of(&measured.rate),
         queue_delay_ms: Spread::of(&measured.queue),
+        runs: Runs {
+            ttft_ms: measured.ttft,
+            completion_ms: measured.completion,
+            decode_tokens_per_second: measured.rate,
+            queue_delay_ms: measured.queue,
+        },
         peak_server_rss_bytes: peak_rss,
         peak_gpu_memory_bytes: peak_gpu,
         energy_joules: energy,
