@@ -153,6 +153,17 @@ fn host(config: &Config) -> Vec<Check> {
             }
         })
         .collect();
+    let cgroups: Vec<String> = config
+        .class
+        .iter()
+        .filter_map(|(name, class)| Some(format!("{name} {}", class.cgroup.as_ref()?.display())))
+        .collect();
+    if findings.is_empty() && !cgroups.is_empty() {
+        checks.push(Check {
+            name: "class cgroups",
+            result: Ok(format!("usable: {}", cgroups.join(", "))),
+        });
+    }
     checks.extend(findings.into_iter().map(|finding| Check {
         name: "class cgroups",
         result: Err(Missing::Host { finding }),
