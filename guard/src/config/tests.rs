@@ -453,3 +453,53 @@ fn the_example_differs_from_a_config_less_run_only_where_it_says_so() {
          {differ:?})"
     );
 }
+
+/// Each problem as `line: key`, in the order they are reported.
+fn problems(text: &str) -> Vec<String> {
+    parse(text)
+        .expect_err("refused")
+        .problems()
+        .into_iter()
+        .map(|problem| match problem {
+            ConfigError::Invalid { line, key, .. } => format!("{}: {key}", line.unwrap_or(0)),
+            other => panic!("{other}"),
+        })
+        .collect()
+}
+
+#[test]
+fn every_problem_is_reported_once_on_its_own_line() {
+    let text = "top = 1\n[sever]\nx = 1\n[server]\nlisten = 5\nbody_limit_bytes = \"big\"\n\
+                [[classify.rule]]\nclass = \"batch\"\nheader = { name = \"x\", valu = \"y\" }\n\
+                [[classify.rule]]\nclass = \"nope\"\npath_prefix = \"/a\"\n\
+                [class.interactive]\n[class.batch]\ndeadline_ms = 0\nmax_queue = -1\n";
+    assert_eq!(
+        problems(text),
+        [
+            "1: top",
+            "2: sever",
+            "5: server.listen",
+            "6: server.body_limit_bytes",
+            "9: classify.rule[0].header.valu",
+            "11: classify.rule[1].class",
+            "15: class.batch.deadline_ms",
+            "16: class.batch.max_queue",
+        ]
+    );
+}
+
+#[test]
+fn a_class_table_that_replaces_the_built_in_ones_says_so_at_its_line() {
+    let err = parse("# mine\n[class.chat]\ndeadline_ms = 1000\n").expect_err("refused");
+    let said = crate::error_chain(&err);
+    assert!(
+        said.starts_with("test.toml:2: classify.default: unknown class `interactive`: known are chat. A [class.NAME] table replaces the built-in classes (batch, interactive)"),
+        "{said}"
+    );
+    let rule = "[class.chat]\n[classify]\ndefault = \"chat\"\n[[classify.rule]]\nclass = \"batch\"\nmodel = \"x\"\n";
+    let said = crate::error_chain(&parse(rule).expect_err("refused"));
+    assert!(
+        said.starts_with("test.toml:5: classify.rule[0].class: unknown class `batch`: known are chat. A [class.NAME] table replaces"),
+        "{said}"
+    );
+}
