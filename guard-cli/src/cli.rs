@@ -29,7 +29,7 @@ pub enum Command {
     },
     /// Check a config as `guard run` and a reload would: every problem at once, each as
     /// file:line: key, then what this host refuses it (class cgroups, the state directory,
-    /// taken ports). Exit 0, or 64.
+    /// the access log, taken ports). Exit 0, or 64.
     CheckConfig {
         /// Config file [default: /etc/guard/guard.toml where it exists, else built-in defaults]
         #[arg(long)]

@@ -1,6 +1,6 @@
 //! What a config asks of this host that the file alone cannot say: class cgroups that are
-//! cgroups this user can write, a state directory it can make, listening addresses that are
-//! free. `guard check-config` and `guard doctor` ask; `guard run` meets the same at start.
+//! cgroups this user can write, a state directory it can make, an access log it can open,
+//! listening addresses that are free. `guard check-config` and `guard doctor` ask; `guard run` meets the same at start.
 
 use std::{
     io::ErrorKind,
@@ -11,7 +11,7 @@ use std::{
 use guard::{
     config::{Config, overlap},
     error_chain,
-    throttle::cgroup::Cgroup,
+    throttle::cgroup::{Cgroup, CgroupError},
 };
 
 /// One thing the host does not give the config.
@@ -45,8 +45,42 @@ impl Finding {
 /// Everything this host refuses the config, checked without changing anything.
 pub fn check(config: &Config) -> Vec<Finding> {
     let mut found = cgroups(config);
+    found.extend(access_log(config));
     found.extend(addresses(config).filter_map(|(key, addr)| listen(key, addr)));
     found
+}
+
+/// A refusal `guard run` would meet; one that is only a lack of permission is a warning where
+/// this is not root (the shipped unit runs guard as root, which may well have it).
+fn refused(key: impl Into<String>, why: String, permission: bool) -> Finding {
+    let uid = nix::unistd::geteuid();
+    if permission && !uid.is_root() {
+        return Finding::warning(
+            key,
+            format!("{why} (checked as uid {uid}: run check-config as the user guard runs as)"),
+        );
+    }
+    Finding::fatal(key, why)
+}
+
+/// The access log's file: `guard run` opens (or creates) it at start, and stops if it cannot.
+fn access_log(config: &Config) -> Option<Finding> {
+    let path = Path::new(config.log.access.as_deref().filter(|p| *p != "-")?);
+    let target = match path.parent() {
+        _ if path.exists() => path,
+        Some(dir) if dir.is_dir() => dir,
+        _ => {
+            let why = format!("{}: its folder does not exist", path.display());
+            return Some(Finding::fatal("log.access", why));
+        }
+    };
+    let err = nix::unistd::access(target, nix::unistd::AccessFlags::W_OK).err()?;
+    let why = format!(
+        "{}: {}",
+        target.display(),
+        error_chain(&std::io::Error::from(err))
+    );
+    Some(refused("log.access", why, true))
 }
 
 /// Every listening address of the config, with its key.
@@ -72,20 +106,24 @@ fn cgroups(config: &Config) -> Vec<Finding> {
         let Some(path) = &class.cgroup else { continue };
         let key = format!("class.{name}.cgroup");
         throttled |= class.throttle.is_some();
-        match (Cgroup::check(path, class.throttle), class.throttle) {
-            (Ok(()), _) => {}
-            (Err(err), Some(_)) => found.push(Finding::fatal(key, error_chain(&err))),
-            (Err(err), None) => found.push(Finding::warning(
+        let Err(err) = Cgroup::check(path, class.throttle) else {
+            continue;
+        };
+        let permission = matches!(&err, CgroupError::Io { source, .. }
+            if source.kind() == ErrorKind::PermissionDenied);
+        found.push(match class.throttle {
+            Some(_) => refused(key, error_chain(&err), permission),
+            None => Finding::warning(
                 key,
                 format!(
                     "{}; `guard exec --class {name}` would refuse it",
                     error_chain(&err)
                 ),
-            )),
-        }
+            ),
+        });
     }
     if throttled && let Err(why) = creatable(&config.risk.state_dir) {
-        found.push(Finding::fatal("risk.state_dir", why));
+        found.push(refused("risk.state_dir", why, true));
     }
     found
 }
@@ -180,6 +218,26 @@ mod tests {
         );
         drop(taken);
         assert_eq!(listen("server.listen", addr), None);
+    }
+
+    #[test]
+    fn an_access_log_in_a_folder_that_does_not_exist_is_fatal() {
+        let mut config = Config::default();
+        config.log.access = Some("/nonexistent-guard-dir/access.log".to_owned());
+        let found = access_log(&config).expect("refused");
+        assert!(
+            found.fatal && found.why.contains("does not exist"),
+            "{found:?}"
+        );
+        config.log.access = Some(
+            std::env::temp_dir()
+                .join("guard-access.log")
+                .display()
+                .to_string(),
+        );
+        assert_eq!(access_log(&config), None);
+        config.log.access = Some("-".to_owned());
+        assert_eq!(access_log(&config), None);
     }
 
     #[test]
