@@ -57,7 +57,9 @@ fn refused(key: impl Into<String>, why: String, permission: bool) -> Finding {
     if permission && !uid.is_root() {
         return Finding::warning(
             key,
-            format!("{why} (checked as uid {uid}: run check-config as the user guard runs as)"),
+            format!(
+                "{why} (checked as uid {uid}; guard runs as root under the shipped unit: check as that user)"
+            ),
         );
     }
     Finding::fatal(key, why)
