@@ -58,7 +58,8 @@ fn refused(key: impl Into<String>, why: String, permission: bool) -> Finding {
         return Finding::warning(
             key,
             format!(
-                "{why} (checked as uid {uid}; guard runs as root under the shipped unit: check as that user)"
+                "{why} (checked as uid {uid}; guard runs as root under the shipped unit: \
+                 check as that user)"
             ),
         );
     }
