@@ -23,14 +23,20 @@ pub struct Cli {
 pub enum Command {
     /// Run the daemon: the proxy, the metrics listener and the kernel watchers.
     Run {
-        /// Config file (default /etc/guard/guard.toml; built-in defaults where it is absent).
+        /// Config file [default: /etc/guard/guard.toml where it exists, else built-in defaults]
         #[arg(long)]
         config: Option<PathBuf>,
     },
-    /// Validate a config file: exit 0, or 64 naming file, line and key.
+    /// Check a config as `guard run` and a reload would: every problem at once, each as
+    /// file:line: key, then what this host refuses it (class cgroups, the state directory,
+    /// the access log, taken ports). Exit 0, or 64.
     CheckConfig {
+        /// Config file [default: /etc/guard/guard.toml where it exists, else built-in defaults]
         #[arg(long)]
         config: Option<PathBuf>,
+        /// Check the file alone, not this host (for a config meant for another box).
+        #[arg(long)]
+        file_only: bool,
     },
     /// Put back every cgroup value a guard recorded before changing it (after a crash), reading
     /// no config; a running guard's own records are left to it.
@@ -49,7 +55,11 @@ pub enum Command {
         token_file: Option<PathBuf>,
     },
     /// Run CMD inside a class's cgroup (created where missing), as that class's workload.
+    /// Exits with CMD's own status, else 64 (unknown class), 66 (config unreadable), 71 (OS
+    /// error), 77 (no permission), 78 (bad config or no cgroup), 126/127 (CMD not runnable /
+    /// not found).
     Exec {
+        /// Config file [default: /etc/guard/guard.toml where it exists, else built-in defaults]
         #[arg(long)]
         config: Option<PathBuf>,
         /// The class whose cgroup CMD runs in.
@@ -69,8 +79,10 @@ pub enum Command {
         #[command(subcommand)]
         command: LogbookCommand,
     },
-    /// Check what guard needs from this host; each line ok or missing, with the fix.
+    /// Check what guard needs from this host; each line ok, notice, warning or missing, with
+    /// the fix. Exit 1 only for what stops guard from running here, 64 for a bad config.
     Doctor {
+        /// Config file [default: /etc/guard/guard.toml where it exists, else built-in defaults]
         #[arg(long)]
         config: Option<PathBuf>,
     },
@@ -117,6 +129,7 @@ pub struct BenchArgs {
     /// "ollama" or "openai" (llama-server, vLLM, ...).
     #[arg(long, default_value = "ollama")]
     pub api: String,
+    /// The model to ask for, as the server names it (e.g. llama3.2:3b).
     #[arg(long)]
     pub model: String,
     /// The runtime's name (ollama, llama.cpp, vllm, ...).
@@ -143,6 +156,7 @@ pub struct BenchArgs {
     /// The workload class (sent as x-guard-class).
     #[arg(long, default_value = "batch")]
     pub class: String,
+    /// The most tokens each answer may have (sent as max_tokens / num_predict).
     #[arg(long, default_value_t = 128)]
     pub max_tokens: u32,
     /// What was decided from this run.
@@ -154,6 +168,7 @@ pub struct BenchArgs {
     /// Days until this baseline should be measured again.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u16).range(0..=3_660))]
     pub retest_days: u16,
+    /// The logbook file the run is appended to.
     #[arg(long, default_value = guard_tools::logbook::DEFAULT_PATH)]
     pub logbook: PathBuf,
 }

@@ -15,8 +15,10 @@ use guard::{
 use guard_tools::{doctor, logbook, status, usage};
 
 mod cli;
+#[cfg(test)]
+mod help_test;
 
-/// The exit status for a bad config (docs/design.md §4).
+/// The exit status for a bad config or command line (docs/design.md §4: sysexits EX_USAGE).
 const EXIT_BAD_CONFIG: u8 = 64;
 
 fn main() -> ExitCode {
@@ -28,7 +30,15 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help and --version are not errors; a wrong command line is EX_USAGE.
+        Err(err) if !err.use_stderr() => err.exit(),
+        Err(err) => {
+            let _ = err.print();
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    };
     match run(cli.command) {
         Ok(code) => code,
         Err(err) => {
@@ -41,19 +51,7 @@ fn main() -> ExitCode {
 fn run(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         Command::Run { config } => run_daemon(config),
-        Command::CheckConfig { config } => match load(config) {
-            Ok((config, path)) => {
-                let source =
-                    path.map_or("built-in defaults".to_owned(), |p| p.display().to_string());
-                println!(
-                    "{source}: ok ({} classes: {})",
-                    config.class.len(),
-                    config.class_names()
-                );
-                Ok(ExitCode::SUCCESS)
-            }
-            Err(err) => Ok(bad_config(&err)),
-        },
+        Command::CheckConfig { config, file_only } => Ok(check_config(config, file_only)),
         Command::Restore { state_dir } => Ok(if restore(&state_dir) {
             ExitCode::SUCCESS
         } else {
@@ -78,15 +76,7 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
             config,
             class,
             command,
-        } => {
-            let config = match load(config) {
-                Ok((config, _)) => config,
-                Err(err) => return Ok(bad_config(&err)),
-            };
-            let err = guard_tools::exec::exec(&config, &class, &command);
-            eprintln!("guard exec: {}", guard::error_chain(&err));
-            Ok(ExitCode::from(EXIT_BAD_CONFIG))
-        }
+        } => Ok(exec(config, &class, &command)),
         Command::Bench(args) => bench(*args),
         Command::Logbook { logbook, command } => logbook_command(&logbook, command),
         Command::Doctor { config } => {
@@ -94,9 +84,9 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
                 Ok((config, _)) => config,
                 Err(err) => return Ok(bad_config(&err)),
             };
-            let (text, all_ok) = doctor::render(&doctor::run(&config));
+            let (text, runs) = doctor::render(&doctor::run(&config));
             print!("{text}");
-            Ok(if all_ok {
+            Ok(if runs {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::FAILURE
@@ -104,6 +94,71 @@ fn run(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Usage(args) => usage_command(&args),
     }
+}
+
+/// `guard check-config`: every problem of the file, then (unless `file_only`) what this host
+/// refuses it, each with file:line:key; exit 64 where any would stop `guard run`.
+fn check_config(path: Option<PathBuf>, file_only: bool) -> ExitCode {
+    let (config, path) = match load(path) {
+        Ok(loaded) => loaded,
+        Err(err) => return bad_config(&err),
+    };
+    let findings = if file_only {
+        Vec::new()
+    } else {
+        guard_tools::host::check(&config)
+    };
+    let text = path
+        .as_ref()
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .unwrap_or_default();
+    let source = path.map_or("built-in defaults".to_owned(), |p| p.display().to_string());
+    for finding in &findings {
+        let line = config::line_of_key(&text, &finding.key)
+            .map(|l| format!(":{l}"))
+            .unwrap_or_default();
+        let word = if finding.fatal {
+            "bad config"
+        } else {
+            "warning"
+        };
+        eprintln!(
+            "guard: {word}: {source}{line}: {}: {}",
+            finding.key, finding.why
+        );
+    }
+    if findings.iter().any(|f| f.fatal) {
+        return ExitCode::from(EXIT_BAD_CONFIG);
+    }
+    let host = match (file_only, findings.len()) {
+        (true, _) => String::new(),
+        (false, 0) => "; this host has what it needs".to_owned(),
+        (false, 1) => "; 1 warning above".to_owned(),
+        (false, n) => format!("; {n} warnings above"),
+    };
+    println!(
+        "{source}: ok ({} classes: {}{host})",
+        config.class.len(),
+        config.class_names()
+    );
+    ExitCode::SUCCESS
+}
+
+/// `guard exec`: becomes CMD inside the class's cgroup; else exits as sysexits(3) says
+/// (guard_tools::exec::ExecError::exit_code).
+fn exec(config: Option<PathBuf>, class: &str, command: &[String]) -> ExitCode {
+    let config = match load(config) {
+        Ok((config, _)) => config,
+        Err(err) => {
+            for problem in err.problems() {
+                eprintln!("guard exec: bad config: {}", guard::error_chain(problem));
+            }
+            return ExitCode::from(guard_tools::exec::config_exit_code(&err));
+        }
+    };
+    let err = guard_tools::exec::exec(&config, class, command);
+    eprintln!("guard exec: {}", guard::error_chain(&err));
+    ExitCode::from(err.exit_code())
 }
 
 /// `guard run`: restore what a crash left, read the config, take what needs privileges, drop
@@ -261,8 +316,11 @@ fn load(path: Option<PathBuf>) -> Result<(Config, Option<PathBuf>), ConfigError>
     }
 }
 
+/// Says each problem on a line of its own; exit 64.
 fn bad_config(err: &ConfigError) -> ExitCode {
-    eprintln!("guard: bad config: {}", guard::error_chain(err));
+    for problem in err.problems() {
+        eprintln!("guard: bad config: {}", guard::error_chain(problem));
+    }
     ExitCode::from(EXIT_BAD_CONFIG)
 }
 

@@ -1,11 +1,8 @@
-//! `guard doctor`: one line per thing guard needs from this host, ok or missing with the fix
-//! (or a notice, for what guard does without).
+//! `guard doctor`: one line per thing guard needs from this host: ok; a notice (guard does
+//! without it); a warning (guard runs, but this part fails); or missing (guard will not start
+//! here), each with the fix. Only the last makes the exit status 1.
 
-use std::{
-    net::{SocketAddr, TcpStream},
-    path::Path,
-    time::Duration,
-};
+use std::{net::TcpStream, path::Path, time::Duration};
 
 use guard::{config::Config, reap::ebpf, watch::energy::EnergyReader};
 
@@ -21,11 +18,15 @@ pub struct Check {
 pub enum Missing {
     #[error(transparent)]
     Ebpf(#[from] ebpf::PreflightError),
-    #[error("no cgroup filesystem mounted: mount cgroup2 at /sys/fs/cgroup")]
+    #[error(
+        "no cgroup filesystem mounted: no class can be throttled; mount cgroup2 at \
+         /sys/fs/cgroup"
+    )]
     NoCgroups,
     #[error(
         "no libnvidia-ml.so.1: no NVIDIA driver here; GPU metrics stay off \
-         (guard_gpu_available 0). Install the driver where there is a GPU."
+         (guard_gpu_available 0). Nothing to do on a box without an NVIDIA GPU; where there \
+         is one, install its driver"
     )]
     NoNvml,
     /// A notice: guard serves as well without it.
@@ -51,19 +52,37 @@ pub enum Missing {
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot listen on {addr} (another guard running? else change {key})")]
-    Listen {
-        addr: SocketAddr,
-        key: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
+    /// What the config asks of this host and does not get (config::host).
+    #[error("{}", finding.why)]
+    Host { finding: crate::host::Finding },
+}
+
+/// How much a missing thing matters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Weight {
+    /// guard does without it (a fallback, or a feature off).
+    Notice,
+    /// guard runs, but this part fails until it is fixed.
+    Warning,
+    /// guard will not start here.
+    Blocks,
 }
 
 impl Missing {
-    /// Whether it is said and passed over: doctor's exit status ignores it.
-    pub fn is_notice(&self) -> bool {
-        matches!(self, Self::NoEnergy { .. })
+    pub fn weight(&self) -> Weight {
+        match self {
+            // eBPF: closes are seen from user space; cgroups: no throttling; NVML and energy:
+            // those metrics stay off.
+            Self::Ebpf(_) | Self::NoCgroups | Self::NoNvml | Self::NoEnergy { .. } => {
+                Weight::Notice
+            }
+            // guard serves, answering 502 until the upstream is there.
+            Self::Resolve { .. } | Self::NoAddress { .. } | Self::Upstream { .. } => {
+                Weight::Warning
+            }
+            Self::Host { finding } if finding.fatal => Weight::Blocks,
+            Self::Host { .. } => Weight::Warning,
+        }
     }
 }
 
@@ -111,45 +130,69 @@ pub fn run(config: &Config) -> Vec<Check> {
         name: "capabilities",
         result: Ok(capabilities(config, ebpf_ready)),
     });
-    let listeners = [
-        ("server.listen", &config.server.listen),
-        ("metrics.listen", &config.metrics.listen),
-    ];
-    for (name, addr) in listeners
-        .into_iter()
-        .flat_map(|(name, listen)| listen.addrs().iter().map(move |&addr| (name, addr)))
-    {
-        checks.push(Check {
-            name,
-            result: match std::net::TcpListener::bind(addr) {
-                Ok(_) => Ok(format!("{addr} is free")),
-                Err(source) => Err(Missing::Listen {
-                    addr,
-                    key: name,
-                    source,
-                }),
-            },
-        });
-    }
+    checks.extend(host(config));
     checks
 }
 
-/// Renders checks one per line; the bool says whether all passed.
+/// The config's class cgroups and listening addresses, as `guard run` would meet them.
+fn host(config: &Config) -> Vec<Check> {
+    let mut findings = crate::host::check(config);
+    let mut checks: Vec<Check> = crate::host::addresses(config)
+        .map(|(key, addr)| {
+            let at = findings
+                .iter()
+                .position(|f| f.key == key && f.why.contains(&addr.to_string()));
+            Check {
+                name: key,
+                result: match at {
+                    Some(at) => Err(Missing::Host {
+                        finding: findings.remove(at),
+                    }),
+                    None => Ok(format!("{addr} is free")),
+                },
+            }
+        })
+        .collect();
+    let cgroups: Vec<String> = config
+        .class
+        .iter()
+        .filter_map(|(name, class)| Some(format!("{name} {}", class.cgroup.as_ref()?.display())))
+        .collect();
+    if findings.is_empty() && !cgroups.is_empty() {
+        checks.push(Check {
+            name: "class cgroups",
+            result: Ok(format!("usable: {}", cgroups.join(", "))),
+        });
+    }
+    checks.extend(findings.into_iter().map(|finding| Check {
+        name: "class cgroups",
+        result: Err(Missing::Host { finding }),
+    }));
+    checks
+}
+
+/// Renders checks one per line; the bool says whether guard can run here (nothing blocks it).
 pub fn render(checks: &[Check]) -> (String, bool) {
     let mut out = String::new();
-    let mut all_ok = true;
+    let mut runs = true;
     for check in checks {
         let (word, text) = match &check.result {
-            Ok(text) => ("ok     ", text.clone()),
-            Err(missing) if missing.is_notice() => ("notice ", guard::error_chain(missing)),
+            Ok(text) => ("ok", text.clone()),
             Err(missing) => {
-                all_ok = false;
-                ("missing", guard::error_chain(missing))
+                let word = match missing.weight() {
+                    Weight::Notice => "notice",
+                    Weight::Warning => "warning",
+                    Weight::Blocks => {
+                        runs = false;
+                        "missing"
+                    }
+                };
+                (word, guard::error_chain(missing))
             }
         };
-        out.push_str(&format!("{word} {:<38} {text}\n", check.name));
+        out.push_str(&format!("{word:<7} {:<38} {text}\n", check.name));
     }
-    (out, all_ok)
+    (out, runs)
 }
 
 fn cgroups() -> Result<String, Missing> {
@@ -303,7 +346,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn energy_names_its_zone_or_is_a_notice_that_passes() {
+    fn only_what_stops_guard_fails_doctor() {
         let root = std::env::temp_dir().join(format!("guard-doctor-rapl-{}", std::process::id()));
         let zone = root.join("intel-rapl:0");
         std::fs::create_dir_all(&zone).expect("zone");
@@ -339,10 +382,39 @@ mod tests {
             all_ok,
             "a missing energy counter does not fail doctor:\n{text}"
         );
-        let failing = [Check {
-            name: "cgroups",
-            result: Err(Missing::NoCgroups),
+        let information = [
+            Check {
+                name: "cgroups",
+                result: Err(Missing::NoCgroups),
+            },
+            Check {
+                name: "NVIDIA GPU (NVML)",
+                result: Err(Missing::NoNvml),
+            },
+            Check {
+                name: "upstream",
+                result: Err(Missing::NoAddress {
+                    authority: "x:1".to_owned(),
+                }),
+            },
+        ];
+        let (text, runs) = render(&information);
+        assert!(
+            runs,
+            "a CPU-only box without cgroups or upstream yet runs guard:\n{text}"
+        );
+        assert!(text.starts_with("notice  cgroups"), "{text}");
+        assert!(text.contains("warning upstream"), "{text}");
+        let taken = crate::host::Finding {
+            key: "server.listen".to_owned(),
+            fatal: true,
+            why: "127.0.0.1:11434 is taken by ollama (pid 7)".to_owned(),
+        };
+        let blocking = [Check {
+            name: "server.listen",
+            result: Err(Missing::Host { finding: taken }),
         }];
-        assert!(!render(&failing).1);
+        let (text, runs) = render(&blocking);
+        assert!(!runs && text.starts_with("missing server.listen"), "{text}");
     }
 }

@@ -545,7 +545,7 @@ fn reload(
         tracing::warn!("SIGHUP: guard runs on built-in defaults; there is no file to reload");
         return current;
     };
-    match Config::load_for_reload(path) {
+    match Config::load(path) {
         Ok(next) => {
             for (key, changed) in [
                 ("server.listen", next.server.listen != current.server.listen),

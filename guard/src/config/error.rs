@@ -12,7 +12,12 @@ pub enum ConfigError {
         file: PathBuf,
         source: std::io::Error,
     },
-    #[error("{}: the file sets no key; a reload keeps the running config (a truncated write?)", file.display())]
+    #[error(
+        "{}: the file sets no key (empty, or comments only), as a truncated write leaves it: \
+         guard will not run on it (a reload keeps the running config); to run on the built-in \
+         defaults give it one table, such as [server]",
+        file.display()
+    )]
     Empty { file: PathBuf },
     #[error("{}{}: {key}", file.display(), line.map(|l| format!(":{l}")).unwrap_or_default())]
     Invalid {
@@ -22,6 +27,14 @@ pub enum ConfigError {
         #[source]
         problem: Problem,
     },
+    /// More than one key is wrong: each of them, in the file's order.
+    #[error("{}", several(errors))]
+    Several { errors: Vec<ConfigError> },
+}
+
+fn several(errors: &[ConfigError]) -> String {
+    let each: Vec<String> = errors.iter().map(|e| crate::error_chain(e)).collect();
+    format!("{} problems: {}", errors.len(), each.join("; "))
 }
 
 /// What is wrong with one key's value.
@@ -78,31 +91,67 @@ pub struct ThrottleModeError {
 }
 
 impl ConfigError {
+    /// Each problem on its own: the one, or every one of `Several`.
+    pub fn problems(&self) -> Vec<&ConfigError> {
+        match self {
+            Self::Several { errors } => errors.iter().collect(),
+            one => vec![one],
+        }
+    }
+
+    /// The key it names, where it names one.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            Self::Invalid { key, .. } => Some(key),
+            _ => None,
+        }
+    }
+
+    /// One error for a list of them (none of which is `Several`), sorted by line.
+    pub(super) fn all(mut errors: Vec<ConfigError>) -> Self {
+        errors.sort_by_key(|e| match e {
+            Self::Invalid { line, .. } => line.unwrap_or(usize::MAX),
+            _ => usize::MAX,
+        });
+        match errors.len() {
+            1 => errors.remove(0),
+            _ => Self::Several { errors },
+        }
+    }
+
+    /// The key's error: its line from the value's span where the reader gave one, else from
+    /// where the key is written, else from where `place` is (what made the key wrong).
     pub(super) fn invalid(
         file: &Path,
         text: &str,
         key: &str,
         span: Option<std::ops::Range<usize>>,
+        place: Option<&str>,
         problem: Problem,
     ) -> Self {
         let line = span
             .as_ref()
             .map(|span| locate::line_of_offset(text, span.start))
+            .or_else(|| locate::line_of_written_key(text, key))
+            .or_else(|| place.and_then(|place| locate::line_of_key(text, place)))
             .or_else(|| locate::line_of_key(text, key));
-        // A value TOML itself refuses (too large a number, say) has a span but no path: the
-        // key is the one written on that line.
-        let key = match (key.is_empty() || key == ".", &span) {
-            (false, _) => key.to_owned(),
-            (true, Some(span)) => {
-                locate::key_at_offset(text, span.start).unwrap_or_else(|| "(top level)".to_owned())
-            }
-            (true, None) => "(top level)".to_owned(),
-        };
         Self::Invalid {
             file: file.to_owned(),
             line,
-            key,
+            key: key_named(text, key, span.as_ref()),
             problem,
         }
+    }
+}
+
+/// The key a reader's error is about. A value TOML itself refuses (too large a number, say)
+/// has a span but no path: the key is the one written there.
+pub(super) fn key_named(text: &str, key: &str, span: Option<&std::ops::Range<usize>>) -> String {
+    match (key.is_empty() || key == ".", span) {
+        (false, _) => key.to_owned(),
+        (true, Some(span)) => {
+            locate::key_at_offset(text, span.start).unwrap_or_else(|| "(top level)".to_owned())
+        }
+        (true, None) => "(top level)".to_owned(),
     }
 }

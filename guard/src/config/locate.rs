@@ -27,6 +27,45 @@ pub(super) fn line_of_key(text: &str, key: &str) -> Option<usize> {
     }
 }
 
+/// The 1-based line where exactly this key path is written; none where it is not.
+pub(super) fn line_of_written_key(text: &str, key: &str) -> Option<usize> {
+    let doc = ImDocument::parse(text).ok()?;
+    written(doc.as_item())
+        .into_iter()
+        .find(|place| place.path == key)
+        .map(|place| line_of_offset(text, place.span.start))
+}
+
+/// Where the key path and everything under it is written (a table: its header and each of
+/// its keys), for blanking it out; empty where it is not written.
+pub(super) fn spans_under(text: &str, key: &str) -> Vec<Range<usize>> {
+    let Ok(doc) = ImDocument::parse(text) else {
+        return Vec::new();
+    };
+    written(doc.as_item())
+        .into_iter()
+        .filter(|place| is_under(&place.path, key))
+        .map(|place| place.span)
+        .collect()
+}
+
+/// Whether `path` is `key` or lies under it (`key.x`, `key[0]`).
+pub(super) fn is_under(path: &str, key: &str) -> bool {
+    path.strip_prefix(key)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
+}
+
+/// Whether the text is TOML.
+pub(super) fn parses(text: &str) -> bool {
+    ImDocument::parse(text).is_ok()
+}
+
+/// `a.b[2]` -> `a.b`, `a.b` -> `a`, `a` -> none.
+pub(super) fn parent(path: &str) -> Option<&str> {
+    let cut = path.rfind(['.', '['])?;
+    Some(&path[..cut])
+}
+
 /// The key path written at byte `offset` (`table.key`, `table[0].key`): the innermost key
 /// whose name or value holds it. Where the text does not parse (the offset is TOML's own
 /// error), the key of that line, under the table header above it.
@@ -128,12 +167,6 @@ fn place_of(key: &Key, item: &Item) -> Option<Range<usize>> {
         (Some(key), Some(value)) => Some(key.start.min(value.start)..key.end.max(value.end)),
         (key, value) => key.or(value),
     }
-}
-
-/// `a.b[2]` -> `a.b`, `a.b` -> `a`, `a` -> none.
-fn parent(path: &str) -> Option<&str> {
-    let cut = path.rfind(['.', '['])?;
-    Some(&path[..cut])
 }
 
 /// The key written on the line that holds `offset`, which TOML could not parse: the lines

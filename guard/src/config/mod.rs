@@ -5,6 +5,8 @@
 mod error;
 mod listen;
 mod locate;
+mod plain;
+mod read;
 mod validate;
 
 use std::{
@@ -346,6 +348,8 @@ pub struct ClassifyConfig {
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct RuleConfig {
+    /// Left out, validation names it (rather than the reader stopping at a missing field).
+    #[serde(default)]
     pub class: String,
     /// How `/status` and `guard_classified_total` name the rule; `rule N` when absent.
     pub name: Option<String>,
@@ -448,21 +452,32 @@ pub enum Preemptible {
 
 impl<'de> Deserialize<'de> for Preemptible {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Flag(bool),
-            Word(String),
-        }
-        match Raw::deserialize(deserializer)? {
-            Raw::Flag(false) => Ok(Self::No),
-            Raw::Flag(true) => Ok(Self::Yes),
-            Raw::Word(word) if word == "resume-only" => Ok(Self::ResumeOnly),
-            Raw::Word(word) if word == "exact-only" => Ok(Self::ExactOnly),
-            Raw::Word(word) => Err(serde::de::Error::custom(format!(
-                "`{}`: use true, false, \"resume-only\" or \"exact-only\"",
-                crate::quote::quote(&word)
-            ))),
+        deserializer.deserialize_any(PreemptibleVisitor)
+    }
+}
+
+struct PreemptibleVisitor;
+
+impl serde::de::Visitor<'_> for PreemptibleVisitor {
+    type Value = Preemptible;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("true, false, \"resume-only\" or \"exact-only\"")
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, flag: bool) -> Result<Preemptible, E> {
+        Ok(if flag {
+            Preemptible::Yes
+        } else {
+            Preemptible::No
+        })
+    }
+
+    fn visit_str<E: serde::de::Error>(self, word: &str) -> Result<Preemptible, E> {
+        match word {
+            "resume-only" => Ok(Preemptible::ResumeOnly),
+            "exact-only" => Ok(Preemptible::ExactOnly),
+            other => Err(E::invalid_value(serde::de::Unexpected::Str(other), &self)),
         }
     }
 }
@@ -483,16 +498,50 @@ impl Serialize for Preemptible {
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct HeaderRule {
+    #[serde(default)]
     pub name: String,
+    #[serde(default)]
     pub value: String,
 }
 
 /// A user, by id or name.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(untagged)]
 pub enum UidSpec {
     Id(u32),
     Name(String),
+}
+
+impl<'de> Deserialize<'de> for UidSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(UidVisitor)
+    }
+}
+
+struct UidVisitor;
+
+impl serde::de::Visitor<'_> for UidVisitor {
+    type Value = UidSpec;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a uid (a whole number from 0 to 4294967295) or a user name in quotes")
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, id: i64) -> Result<UidSpec, E> {
+        u32::try_from(id)
+            .map(UidSpec::Id)
+            .map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(id), &self))
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, id: u64) -> Result<UidSpec, E> {
+        u32::try_from(id)
+            .map(UidSpec::Id)
+            .map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(id), &self))
+    }
+
+    fn visit_str<E: serde::de::Error>(self, name: &str) -> Result<UidSpec, E> {
+        Ok(UidSpec::Name(name.to_owned()))
+    }
 }
 
 /// A rule's bearer token and user, as resolved from digests, files and the user database.
@@ -662,19 +711,10 @@ impl std::str::FromStr for Throttle {
 }
 
 impl Config {
-    /// Reads, parses and validates a file.
+    /// Reads, parses and validates a file. A file that sets no key at all (empty, or
+    /// comments only) is refused rather than taken for the built-in defaults: at start as on
+    /// a reload, a half-written file must not wipe every class and rule.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            file: path.to_owned(),
-            source,
-        })?;
-        Self::parse(&text, path)
-    }
-
-    /// Reads a file for a reload: like `load`, but a file that sets no key at all is refused
-    /// rather than taken for the built-in defaults (a half-written file must not wipe every
-    /// class and rule).
-    pub fn load_for_reload(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             file: path.to_owned(),
             source,
@@ -701,24 +741,10 @@ impl Config {
             .collect()
     }
 
-    /// Parses and validates TOML text; `file` only names it in errors.
+    /// Parses and validates TOML text; `file` only names it in errors. Every problem found is
+    /// reported, in the file's order (`ConfigError::Several` where there is more than one).
     pub fn parse(text: &str, file: &Path) -> Result<Self, ConfigError> {
-        let deserializer = toml::Deserializer::new(text);
-        let config: Self = serde_path_to_error::deserialize(deserializer).map_err(|err| {
-            let key = err.path().to_string();
-            let span = err.inner().span();
-            let message = err.inner().message().to_owned();
-            ConfigError::invalid(file, text, &key, span, Problem::Said(message))
-        })?;
-        let mut config = config;
-        let fail = |invalid: validate::Invalid| {
-            ConfigError::invalid(file, text, &invalid.key, None, invalid.problem)
-        };
-        config.validate().map_err(fail)?;
-        config
-            .resolve(file.parent().unwrap_or(Path::new(".")))
-            .map_err(fail)?;
-        Ok(config)
+        read::parse(text, file)
     }
 
     /// Where the config at `path` keeps throttle records, read as leniently as can be: a
@@ -747,6 +773,12 @@ impl Config {
     pub fn header_read_timeout(&self) -> Duration {
         Duration::from_millis(self.server.header_read_timeout_ms)
     }
+}
+
+/// The 1-based line where `key` (`class.batch.cgroup`) is written in `text`, else its nearest
+/// written parent's.
+pub fn line_of_key(text: &str, key: &str) -> Option<usize> {
+    locate::line_of_key(text, key)
 }
 
 /// Parses `10.0.0.0/8`, `::1/128` or a bare address (a single host).

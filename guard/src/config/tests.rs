@@ -11,8 +11,25 @@ fn invalid(text: &str) -> (Option<usize>, String, String) {
         Err(ConfigError::Invalid {
             line, key, problem, ..
         }) => (line, key, crate::error_chain(&problem)),
-        other => panic!("expected an invalid config, got {other:?}"),
+        other => panic!("expected one invalid key, got {other:?}"),
     }
+}
+
+/// The problem a refused text has with `key` (among any others), as `invalid` gives it.
+fn invalid_key(text: &str, key: &str) -> (Option<usize>, String, String) {
+    let err = parse(text).expect_err("refused");
+    err.problems()
+        .into_iter()
+        .find_map(|problem| match problem {
+            ConfigError::Invalid {
+                line,
+                key: named,
+                problem,
+                ..
+            } if named == key => Some((*line, named.clone(), crate::error_chain(problem))),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("{text}: no problem with {key} in {err:?}"))
 }
 
 #[test]
@@ -65,8 +82,10 @@ fn semantic_errors_name_key_and_line() {
     let (line, key, _) = invalid(text);
     assert_eq!((line, key.as_str()), (Some(6), "classify.rule[1].class"));
 
-    let (_, key, message) =
-        invalid("[class.batch]\ncgroup = \"/sys/fs/cgroup/b\"\nthrottle = \"slow\"\n");
+    let (_, key, message) = invalid_key(
+        "[class.batch]\ncgroup = \"/sys/fs/cgroup/b\"\nthrottle = \"slow\"\n",
+        "class.batch.throttle",
+    );
     assert_eq!(key, "class.batch.throttle");
     assert!(message.contains("unknown throttle mode"), "{message}");
 
@@ -179,7 +198,7 @@ fn zero_negative_and_huge_limits_are_refused_by_key_and_line() {
         ("[risk]\nwait_fraction = inf\n", "risk.wait_fraction"),
         ("[watch]\ninterval_ms = 10\n", "watch.interval_ms"),
     ] {
-        let (line, named, message) = invalid(text);
+        let (line, named, message) = invalid_key(text, key);
         assert_eq!(named, key, "{text}: {message}");
         assert!(line.is_some(), "{text}: no line");
     }
@@ -305,12 +324,16 @@ mod properties {
             tokens in proptest::option::of(any::<u64>()),
         ) {
             match parse(&text) {
-                Err(ConfigError::Invalid { key, line, .. }) => {
-                    let named = keys.contains(&key);
-                    prop_assert!(named, "{key} is none of {keys:?}\n{text}");
-                    prop_assert!(line.is_some(), "no line for {key}\n{text}");
+                Err(err) => {
+                    for problem in err.problems() {
+                        let ConfigError::Invalid { key, line, .. } = problem else {
+                            return Err(TestCaseError::fail(format!("{problem}")));
+                        };
+                        let named = keys.contains(key);
+                        prop_assert!(named, "{key} is none of {keys:?}\n{text}");
+                        prop_assert!(line.is_some(), "no line for {key}\n{text}");
+                    }
                 }
-                Err(other) => prop_assert!(false, "{other}"),
                 Ok(config) => exercise(&config, tokens),
             }
         }
@@ -368,4 +391,115 @@ fn listeners_take_a_list_and_refuse_an_overlap_naming_the_key() {
         assert!(line.is_some(), "{text}");
         assert!(message.contains("overlaps"), "{message}");
     }
+}
+
+/// Every leaf key path where two serialised configs differ (a list counts as one leaf).
+fn differences(a: &toml::Value, b: &toml::Value, path: &str, out: &mut Vec<String>) {
+    match (a, b) {
+        (toml::Value::Table(a), toml::Value::Table(b)) => {
+            let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+            for key in keys {
+                let path = if path.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{path}.{key}")
+                };
+                match (a.get(key), b.get(key)) {
+                    (Some(a), Some(b)) => differences(a, b, &path, out),
+                    _ => out.push(path),
+                }
+            }
+        }
+        (a, b) if a != b => out.push(path.to_owned()),
+        _ => {}
+    }
+}
+
+/// The comment lines right above line `line` (1-based) and that line's own comment.
+fn comments_at(text: &str, line: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let own = lines[line - 1].split_once('#').map_or("", |(_, c)| c);
+    let above = lines[..line - 1]
+        .iter()
+        .rev()
+        .take_while(|l| l.trim_start().starts_with('#'))
+        .copied()
+        .collect::<Vec<_>>();
+    format!("{} {own}", above.join(" "))
+}
+
+/// The example is the truth: where it sets a key to other than what a run without a config
+/// has, a comment right above the key (or on its line) says "Not the default" and what is.
+#[test]
+fn the_example_differs_from_a_config_less_run_only_where_it_says_so() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/guard.example.toml");
+    let text = std::fs::read_to_string(&path).expect("read example");
+    let example = toml::Value::try_from(Config::load(&path).expect("parses")).expect("value");
+    let defaults = toml::Value::try_from(Config::default()).expect("value");
+    let mut differ = Vec::new();
+    differences(&example, &defaults, "", &mut differ);
+    let undocumented: Vec<&String> = differ
+        .iter()
+        .filter(|key| {
+            let line = locate::line_of_written_key(&text, key)
+                .or_else(|| locate::line_of_written_key(&text, &format!("{key}[0]")));
+            !line.is_some_and(|line| comments_at(&text, line).contains("Not the default"))
+        })
+        .collect();
+    assert!(
+        undocumented.is_empty(),
+        "deploy/guard.example.toml sets these unlike a run without a config, and no \
+         \"Not the default\" comment above them says so: {undocumented:?} (all that differ: \
+         {differ:?})"
+    );
+}
+
+/// Each problem as `line: key`, in the order they are reported.
+fn problems(text: &str) -> Vec<String> {
+    parse(text)
+        .expect_err("refused")
+        .problems()
+        .into_iter()
+        .map(|problem| match problem {
+            ConfigError::Invalid { line, key, .. } => format!("{}: {key}", line.unwrap_or(0)),
+            other => panic!("{other}"),
+        })
+        .collect()
+}
+
+#[test]
+fn every_problem_is_reported_once_on_its_own_line() {
+    let text = "top = 1\n[sever]\nx = 1\n[server]\nlisten = 5\nbody_limit_bytes = \"big\"\n\
+                [[classify.rule]]\nclass = \"batch\"\nheader = { name = \"x\", valu = \"y\" }\n\
+                [[classify.rule]]\nclass = \"nope\"\npath_prefix = \"/a\"\n\
+                [class.interactive]\n[class.batch]\ndeadline_ms = 0\nmax_queue = -1\n";
+    assert_eq!(
+        problems(text),
+        [
+            "1: top",
+            "2: sever",
+            "5: server.listen",
+            "6: server.body_limit_bytes",
+            "9: classify.rule[0].header.valu",
+            "11: classify.rule[1].class",
+            "15: class.batch.deadline_ms",
+            "16: class.batch.max_queue",
+        ]
+    );
+}
+
+#[test]
+fn a_class_table_that_replaces_the_built_in_ones_says_so_at_its_line() {
+    let err = parse("# mine\n[class.chat]\ndeadline_ms = 1000\n").expect_err("refused");
+    let said = crate::error_chain(&err);
+    assert!(
+        said.starts_with("test.toml:2: classify.default: unknown class `interactive`: known are chat. A [class.NAME] table replaces the built-in classes (batch, interactive)"),
+        "{said}"
+    );
+    let rule = "[class.chat]\n[classify]\ndefault = \"chat\"\n[[classify.rule]]\nclass = \"batch\"\nmodel = \"x\"\n";
+    let said = crate::error_chain(&parse(rule).expect_err("refused"));
+    assert!(
+        said.starts_with("test.toml:5: classify.rule[0].class: unknown class `batch`: known are chat. A [class.NAME] table replaces"),
+        "{said}"
+    );
 }

@@ -7,8 +7,11 @@ use crate::config::Throttle;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CgroupError {
-    #[error("{}: not inside a cgroup filesystem (cgroup2, or a v1 hierarchy)", path.display())]
-    NotCgroup { path: PathBuf },
+    #[error(
+        "{}: not inside a cgroup filesystem (cgroup2, or a v1 hierarchy); {mounted}",
+        path.display()
+    )]
+    NotCgroup { path: PathBuf, mounted: String },
     #[error(
         "{}: throttle \"{mode}\" needs {needs}, which this cgroup lacks{hint}",
         path.display()
@@ -129,13 +132,7 @@ impl Cgroup {
     /// Resolves `path` against the host's cgroup mounts and checks that `mode` can be applied
     /// there. Creates the cgroup directory where it is missing.
     pub fn resolve(path: &Path, mode: Throttle) -> Result<Self, CgroupError> {
-        let mount = mounts()
-            .into_iter()
-            .filter(|m| path.starts_with(&m.root) && path != m.root)
-            .max_by_key(|m| m.root.components().count())
-            .ok_or_else(|| CgroupError::NotCgroup {
-                path: path.to_owned(),
-            })?;
+        let mount = mount_of(path)?;
         let missing = |needs, hint| CgroupError::MissingController {
             path: path.to_owned(),
             mode: mode.to_string(),
@@ -168,6 +165,41 @@ impl Cgroup {
         })
     }
 
+    /// Whether `resolve` with `mode`, or a process joining the cgroup (`guard exec`) without
+    /// one, would work on `path`, changing nothing: where the directory is missing, whether it
+    /// could be made.
+    pub fn check(path: &Path, mode: Option<Throttle>) -> Result<(), CgroupError> {
+        let mount = mount_of(path)?;
+        let file = match mode {
+            Some(mode) => {
+                Control::of(path, &mount, mode)
+                    .map_err(|(needs, hint)| CgroupError::MissingController {
+                        path: path.to_owned(),
+                        mode: mode.to_string(),
+                        needs,
+                        hint,
+                    })?
+                    .file
+            }
+            None => path.join("cgroup.procs"),
+        };
+        let writable = |target: &Path| {
+            nix::unistd::access(target, nix::unistd::AccessFlags::W_OK).map_err(|err| {
+                CgroupError::Io {
+                    path: target.to_owned(),
+                    source: std::io::Error::from(err),
+                }
+            })
+        };
+        if path.is_dir() {
+            return writable(&file);
+        }
+        match path.ancestors().find(|dir| dir.is_dir()) {
+            Some(dir) => writable(dir),
+            None => Ok(()),
+        }
+    }
+
     pub fn read(&self) -> Result<String, CgroupError> {
         std::fs::read_to_string(&self.control.file)
             .map(|v| v.trim().to_owned())
@@ -184,6 +216,39 @@ impl Cgroup {
     /// Moves a process into this cgroup.
     pub fn add(&self, pid: u32) -> Result<(), CgroupError> {
         write(&self.procs, &pid.to_string())
+    }
+}
+
+/// The cgroup mount `path` lies in (the deepest), else why it is not a cgroup.
+fn mount_of(path: &Path) -> Result<Mount, CgroupError> {
+    let all = mounts();
+    let found = all
+        .iter()
+        .filter(|m| path.starts_with(&m.root) && path != m.root)
+        .max_by_key(|m| m.root.components().count())
+        .cloned();
+    found.ok_or_else(|| CgroupError::NotCgroup {
+        path: path.to_owned(),
+        mounted: mounted(&all),
+    })
+}
+
+/// Where this host mounts the hierarchies guard can use, in words.
+fn mounted(all: &[Mount]) -> String {
+    let useful: Vec<String> = all
+        .iter()
+        .filter_map(|m| match &m.v1_controllers {
+            None => Some(format!("cgroup2 at {}", m.root.display())),
+            Some(controllers) => controllers
+                .iter()
+                .find(|c| *c == "cpu" || *c == "freezer")
+                .map(|c| format!("v1 {c} at {}", m.root.display())),
+        })
+        .collect();
+    if useful.is_empty() {
+        "this host mounts none".to_owned()
+    } else {
+        format!("this host has {}", useful.join(", "))
     }
 }
 
