@@ -35,6 +35,8 @@ fn install_into(root: &Path) -> Output {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let output = Command::new(cargo)
         .args(["xtask", "install", "--root"])
+        // The tests run with only a loopback: everything is built and cached already.
+        .env("CARGO_NET_OFFLINE", "true")
         .arg(root)
         .current_dir(workspace())
         .output()

@@ -399,8 +399,13 @@ fn chromium(page: &Path, profile: &Path, args: &[&str]) -> (String, String) {
 }
 
 /// Chromium's console messages: each an error here, as the page runs no script.
+/// The console messages of the page itself (Chromium's own pages log too, e.g. "Slow network
+/// is detected" from its resources under load: not the page's).
 fn console_lines(stderr: &str) -> Vec<&str> {
-    stderr.lines().filter(|l| l.contains(":CONSOLE")).collect()
+    stderr
+        .lines()
+        .filter(|l| l.contains(":CONSOLE") && l.contains("source: file://"))
+        .collect()
 }
 
 const SCREEN: (u32, u32) = (1400, 2400);

@@ -17,6 +17,8 @@ use guard_tools::{doctor, logbook, status, usage};
 mod cli;
 #[cfg(test)]
 mod help_test;
+#[cfg(test)]
+mod readme_test;
 
 /// The exit status for a bad config or command line (docs/design.md §4: sysexits EX_USAGE).
 const EXIT_BAD_CONFIG: u8 = 64;

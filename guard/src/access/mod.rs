@@ -17,6 +17,12 @@ pub fn tag<B>(response: &mut http::Response<B>, id: RequestId) {
     }
 }
 
+/// Milliseconds as the log writes them: nanoseconds over a million, so `0.418554` reads back
+/// as written (not `0.41855400000000004`).
+pub fn millis(elapsed: std::time::Duration) -> f64 {
+    elapsed.as_nanos() as f64 / 1e6
+}
+
 /// A request's id: 16 hex digits, unique in this process and unlikely across restarts.
 pub fn request_id() -> RequestId {
     use std::sync::atomic::{AtomicU64, Ordering};

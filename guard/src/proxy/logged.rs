@@ -1,7 +1,7 @@
 //! Access log lines for the requests that have no owner: those passed through, and those
 //! refused before any owner existed (a bad path, framing, a method guard does not pass on).
 
-use std::{sync::Arc, time::Duration};
+use std::sync::Arc;
 
 use http::{Method, Response, Uri};
 use tokio::time::Instant;
@@ -64,7 +64,7 @@ impl Line {
         record.reason = end.reason.map(Into::into);
         record.bytes_in = end.bytes_in;
         record.bytes_out = end.bytes_out;
-        record.duration_ms = duration_ms(started.elapsed());
+        record.duration_ms = crate::access::millis(started.elapsed());
         access.write(record);
     }
 }
@@ -77,8 +77,4 @@ pub(super) struct End {
     pub reason: Option<&'static str>,
     pub bytes_in: u64,
     pub bytes_out: u64,
-}
-
-fn duration_ms(elapsed: Duration) -> f64 {
-    elapsed.as_secs_f64() * 1000.0
 }

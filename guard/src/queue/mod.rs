@@ -674,8 +674,8 @@ impl State {
                 .any(|c| c.limits.priority <= own.limits.priority && !c.queue.is_empty())
     }
 
-    /// When a request of `class` would start: after what runs now and the waiting work
-    /// dispatched before it (classes of equal or higher priority, and its own class's requests
+    /// When a request of `class` would start: after what runs now (a request it may preempt
+    /// only until it may be stopped) and the waiting work dispatched before it (classes of equal or higher priority, and its own class's requests
     /// `ahead`), each at its estimate. Up to `EXACT_UP_TO` jobs ahead, slot by slot; past that,
     /// from the kept sums: their work shared by the slots (an upper bound within one job's
     /// service), at a cost that does not grow with the line.
@@ -692,7 +692,14 @@ impl State {
             Ahead::Tag(_) | Ahead::End => own.queue.len(),
         };
         let waiting = others().map(|(_, c)| c.queue.len()).sum::<usize>() + own_count;
-        let remaining = self.running.values().map(|running| running.remaining(now));
+        // A running request this one may stop holds its slot only until it may be stopped.
+        let (urgent, grace) = (own.limits.priority, self.preempt_grace);
+        let remaining = self.running.values().map(move |running| {
+            let left = running.remaining(now);
+            running
+                .stoppable(urgent, grace, now)
+                .map_or(left, |until| until.min(left))
+        });
         if waiting <= EXACT_UP_TO {
             let own_ahead: Box<dyn Iterator<Item = &Waiter>> = match ahead {
                 Ahead::Head => Box::new(std::iter::empty()),

@@ -120,6 +120,30 @@ async fn a_preemptible_request_gives_its_slot_to_a_more_urgent_one_and_goes_on_f
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_running_job_that_may_be_stopped_does_not_count_against_an_urgent_deadline() {
+    let mut config = config(1);
+    // Each batch job is expected to run 5 s; a chat must start within 2.5 s.
+    config.estimate.initial_service_ms = 5_000;
+    let scheduler = Scheduler::new(&config, Metrics::new());
+    let long = |preemptible| Job {
+        preemptible,
+        ..job("batch", None)
+    };
+    let running = granted(scheduler.enqueue(long(false)).expect("admit")).await;
+    let refused = scheduler.enqueue(job("interactive", None));
+    assert_eq!(
+        refused.expect_err("it cannot start in time").reason,
+        RejectReason::DeadlinePredicted
+    );
+    drop(running);
+    let running = granted(scheduler.enqueue(long(true)).expect("admit")).await;
+    let _urgent = scheduler
+        .enqueue(job("interactive", None))
+        .expect("admitted: the batch job will be stopped for it");
+    running.progress().preempted().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_request_about_to_end_is_left_to_finish_until_it_runs_past_its_estimate() {
     let mut config = config(1);
     config.risk.preempt_grace_ms = 2_000;

@@ -88,7 +88,7 @@ impl QueuedRequest {
     ) -> Record {
         let (words, reason, ended_at) = outcome.words();
         let usage = self.usage.unwrap_or_default();
-        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        let ms = crate::access::millis;
         let account = &self.account;
         Record {
             time: Some(jiff::Timestamp::now()),
