@@ -85,12 +85,28 @@ fn bench_seconds() -> u64 {
         .unwrap_or(3)
 }
 
+/// Rounds of `access_log_rows`: pairs measured, off and on, on each path.
+const ACCESS_ROUNDS: usize = 5;
+
+/// The middle figure (the mean of the two middle ones for an even count).
+fn median(figures: &mut [f64]) -> f64 {
+    figures.sort_by(f64::total_cmp);
+    let n = figures.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => figures[n / 2],
+        _ => (figures[n / 2 - 1] + figures[n / 2]) / 2.0,
+    }
+}
+
 /// `cargo xtask bench proxy access`: the access log's cost alone.
 pub async fn access() {
     let seconds = bench_seconds();
     let fixed = Peer::nginx_fixed(&[("/api/tags", TAGS), ("/api/ps", PS)], ANSWER);
     let [off, on] = access_log_rows(fixed.addr, Duration::from_secs(seconds));
-    println!("the access log's cost (wrk {seconds} s per cell, 64 clients; queued, pass):");
+    println!(
+        "the access log's cost (median of {ACCESS_ROUNDS} rounds of wrk {seconds} s, 64 clients; queued, pass):"
+    );
     for row in [&off, &on] {
         let [queued, pass] = [row.cells[3], row.cells[4]].map(|c| c.unwrap_or(f64::NAN));
         println!("   {:<38}{queued:>10.1}{pass:>10.1}", row.label);
@@ -200,8 +216,9 @@ fn cpu_rows(stage: &Stage, upstream_pid: u32, duration: Duration) -> [Row; 3] {
 }
 
 /// What the access log costs: CPU per request at 64 clients on both guard paths, of a guard
-/// without it and one writing it to a file, measured in turn (three rounds each, the least
-/// of each kept: the machine's noise only ever adds).
+/// without it and one writing it to a file, measured in adjacent pairs (the order turned each
+/// round, so that neither side always runs first) over ACCESS_ROUNDS rounds; each cell is the
+/// median of its rounds: this machine's noise comes in bursts, which a median sets aside.
 fn access_log_rows(upstream: SocketAddr, duration: Duration) -> [Row; 2] {
     let dir = guard_tests::TempDir::new("guard-bench-access");
     let log = dir.0.join("access.log");
@@ -220,14 +237,20 @@ fn access_log_rows(upstream: SocketAddr, duration: Duration) -> [Row; 2] {
         assert_eq!(load.errors, 0, "{path}: {load:?}");
         used.total().as_secs_f64() * 1e6 / load.requests.max(1) as f64
     };
-    let mut least = [[f64::INFINITY; 2]; 2];
-    for _ in 0..3 {
-        for (guard, least) in guards.iter().zip(&mut least) {
-            for (path, least) in ["/api/chat", "/api/show"].iter().zip(least.iter_mut()) {
-                *least = least.min(per_request(guard, path));
+    // [guard][path] -> one figure a round.
+    let mut seen = [
+        [const { Vec::new() }, const { Vec::new() }],
+        [const { Vec::new() }, const { Vec::new() }],
+    ];
+    for round in 0..ACCESS_ROUNDS {
+        for (p, path) in ["/api/chat", "/api/show"].iter().enumerate() {
+            let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+            for g in order {
+                seen[g][p].push(per_request(&guards[g], path));
             }
         }
     }
+    let middle = seen.map(|paths| paths.map(|mut figures| median(&mut figures)));
     let row = |label: &str, [queued, pass]: [f64; 2]| {
         Row::new(
             label.into(),
@@ -236,8 +259,8 @@ fn access_log_rows(upstream: SocketAddr, duration: Duration) -> [Row; 2] {
         )
     };
     [
-        row("CPU per request, access log off (us)", least[0]),
-        row("  the same, access log on (us)", least[1]),
+        row("CPU per request, access log off (us)", middle[0]),
+        row("  the same, access log on (us)", middle[1]),
     ]
 }
 
