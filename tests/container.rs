@@ -13,7 +13,7 @@ mod pod;
 #[path = "container/run.rs"]
 mod run;
 
-use std::{path::PathBuf, process::Command};
+use std::process::Command;
 
 use guard_tests::require_root;
 use serde_json::Value;
@@ -22,10 +22,6 @@ use crate::pod::Manifests;
 
 /// The capability the manifest must grant for guard's eBPF program to load.
 const NEEDED_FOR_EBPF: &str = "BPF";
-
-fn workspace() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-}
 
 /// `cargo xtask image` (a second run finds the image up to date); None, with the reason
 /// printed, where podman is missing or cannot start a container here.
@@ -38,19 +34,7 @@ fn image_or_skip() -> Option<()> {
         println!("container: skipped: podman cannot store images here: {why}");
         return None;
     }
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let out = Command::new(cargo)
-        .args(["xtask", "image"])
-        // The tests run with only a loopback: everything is built and cached already.
-        .env("CARGO_NET_OFFLINE", "true")
-        .current_dir(workspace())
-        .output()
-        .expect("start cargo xtask image");
-    assert!(
-        out.status.success(),
-        "cargo xtask image failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    guard_tests::xtask(&["image".as_ref()]);
     if let Err(why) =
         run::can_start_containers(&format!("localhost/guard:{}", env!("CARGO_PKG_VERSION")))
     {
@@ -67,7 +51,7 @@ async fn the_daemonset_runs_under_podman_as_the_manifest_says() {
     if image_or_skip().is_none() {
         return;
     }
-    let manifests = Manifests::read(&workspace().join("deploy/kubernetes"));
+    let manifests = Manifests::read(&guard_tests::workspace().join("deploy/kubernetes"));
     let image = manifests.image();
     assert_eq!(
         image,
@@ -87,7 +71,7 @@ async fn a_manifest_without_the_bpf_capability_fails_the_checks() {
     if image_or_skip().is_none() {
         return;
     }
-    let mut manifests = Manifests::read(&workspace().join("deploy/kubernetes"));
+    let mut manifests = Manifests::read(&guard_tests::workspace().join("deploy/kubernetes"));
     let added = manifests.container_mut()["securityContext"]["capabilities"]["add"]
         .as_array_mut()
         .expect("the manifest adds capabilities");
@@ -104,13 +88,13 @@ async fn a_manifest_without_the_bpf_capability_fails_the_checks() {
 
 #[test]
 fn unknown_fields_in_the_pod_spec_are_refused() {
-    let mut manifests = Manifests::read(&workspace().join("deploy/kubernetes"));
+    let mut manifests = Manifests::read(&guard_tests::workspace().join("deploy/kubernetes"));
     manifests.container_mut()["volumeDevices"] = serde_json::json!([]);
     let dir = guard_tests::TempDir::new("guard-container-unknown");
     let refused = pod::translate(&manifests, &dir.0).expect_err("an unknown field passed");
     assert!(refused.contains("volumeDevices"), "{refused}");
 
-    let mut manifests = Manifests::read(&workspace().join("deploy/kubernetes"));
+    let mut manifests = Manifests::read(&guard_tests::workspace().join("deploy/kubernetes"));
     manifests.pod_mut()["volumes"][0]["nfs"] = serde_json::json!({"server": "x"});
     let refused = pod::translate(&manifests, &dir.0).expect_err("an nfs volume passed");
     assert!(refused.contains("nfs"), "{refused}");

@@ -26,29 +26,9 @@ const CAPABILITIES: [&str; 2] = ["CAP_BPF", "CAP_PERFMON"];
 /// The highest overall exposure `systemd-analyze security` may rate the unit, in tenths (3.0).
 const MAX_EXPOSURE_TENTHS: u32 = 30;
 
-fn workspace() -> &'static Path {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-}
-
 /// `cargo xtask install --root ROOT`, which builds the release binary first; panics on failure.
 fn install_into(root: &Path) -> Output {
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let output = Command::new(cargo)
-        .args(["xtask", "install", "--root"])
-        // The tests run with only a loopback: everything is built and cached already.
-        .env("CARGO_NET_OFFLINE", "true")
-        .arg(root)
-        .current_dir(workspace())
-        .output()
-        .expect("start cargo xtask install");
-    assert!(
-        output.status.success(),
-        "cargo xtask install --root {} failed ({}):\n{}",
-        root.display(),
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
+    guard_tests::xtask(&["install".as_ref(), "--root".as_ref(), root.as_os_str()])
 }
 
 fn run(command: &mut Command) -> Output {
@@ -183,21 +163,7 @@ fn the_systemd_unit_verifies() {
         .arg(&copy)
         .output()
         .expect("start systemd-analyze (package systemd)");
-    let stderr = String::from_utf8_lossy(&verify.stderr);
-    assert!(
-        verify.status.success(),
-        "systemd-analyze verify failed ({}):\n{stderr}",
-        verify.status
-    );
-    let about_unit: Vec<&str> = stderr
-        .lines()
-        .filter(|line| line.contains("guard.service"))
-        .collect();
-    assert!(
-        about_unit.is_empty(),
-        "systemd-analyze verify warns about the unit:\n{}",
-        about_unit.join("\n")
-    );
+    guard_tests::assert_unit_verifies(&verify);
 
     let expected = expected_capabilities();
     for key in ["AmbientCapabilities", "CapabilityBoundingSet"] {

@@ -21,29 +21,13 @@ const UNIT: &str = "/lib/systemd/system/guard.service";
 /// Where the maintainer scripts' requests to systemd are written down (see [`Root::unpack`]).
 const POLICY_LOG: &str = "var/log/policy-rc.d.log";
 
-fn workspace() -> &'static Path {
-    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-}
-
 /// `cargo xtask deb` (once per test binary; a second run finds the package up to date).
 fn package() -> &'static Path {
     static PACKAGE: OnceLock<PathBuf> = OnceLock::new();
     PACKAGE.get_or_init(|| {
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let out = Command::new(cargo)
-            .args(["xtask", "deb"])
-            // The tests run with only a loopback: everything is built and cached already.
-            .env("CARGO_NET_OFFLINE", "true")
-            .current_dir(workspace())
-            .output()
-            .expect("start cargo xtask deb");
-        assert!(
-            out.status.success(),
-            "cargo xtask deb failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        guard_tests::xtask(&["deb".as_ref()]);
         let version = env!("CARGO_PKG_VERSION");
-        workspace().join(format!("target/deb/guard_{version}_amd64.deb"))
+        guard_tests::workspace().join(format!("target/deb/guard_{version}_amd64.deb"))
     })
 }
 
@@ -328,21 +312,7 @@ fn the_installed_unit_verifies_and_scores_3_or_less() {
     let root = Root::unpack("guard-package-unit");
     let deb = root.copy_in(package());
     root.ok(&["dpkg", "-i", &deb]);
-    let verify = root.run(&["systemd-analyze", "verify", UNIT]);
-    let report = text(&verify);
-    assert!(
-        verify.status.success(),
-        "systemd-analyze verify failed:\n{report}"
-    );
-    let about_unit: Vec<&str> = report
-        .lines()
-        .filter(|line| line.contains("guard.service"))
-        .collect();
-    assert!(
-        about_unit.is_empty(),
-        "verify warns:\n{}",
-        about_unit.join("\n")
-    );
+    guard_tests::assert_unit_verifies(&root.run(&["systemd-analyze", "verify", UNIT]));
 
     let threshold = format!("--threshold={MAX_EXPOSURE_TENTHS}");
     let security = root.run(&[

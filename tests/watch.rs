@@ -219,19 +219,19 @@ async fn status_and_doctor_read_like_tables() {
         .lines()
         .find(|l| l.contains("NVIDIA GPU"))
         .expect("gpu line");
-    assert!(
-        gpu.starts_with("missing") && gpu.contains("driver"),
-        "{gpu}"
-    );
+    // A box without an NVIDIA GPU is information, not a fault.
+    assert!(gpu.starts_with("notice") && gpu.contains("driver"), "{gpu}");
     let listen = lines
         .lines()
         .find(|l| l.contains("server.listen"))
         .expect("listen line");
+    // A port held by a running guard is a warning (a reload keeps it; a second `guard run`
+    // would need it stopped): nothing here stops guard, so doctor exits 0.
     assert!(
-        listen.starts_with("missing"),
+        listen.starts_with("warning") && listen.contains("guard"),
         "guard itself holds the port: {listen}"
     );
-    assert!(!doctor.status.success(), "a missing item fails doctor");
+    assert!(doctor.status.success(), "{lines}");
 }
 
 /// Watching leaves llama-server free to fall asleep (`--sleep-idle-seconds`): while guard runs

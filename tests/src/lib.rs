@@ -156,6 +156,50 @@ pub fn guard_bin() -> PathBuf {
     bin
 }
 
+/// The workspace's root directory.
+pub fn workspace() -> &'static Path {
+    Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
+/// `cargo xtask ARGS` in the workspace, offline (the tests run with only a loopback: what it
+/// builds was fetched and cached before); panics unless it succeeds.
+pub fn xtask(args: &[&std::ffi::OsStr]) -> std::process::Output {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let output = std::process::Command::new(cargo)
+        .arg("xtask")
+        .args(args)
+        .env("CARGO_NET_OFFLINE", "true")
+        .current_dir(workspace())
+        .output()
+        .expect("start cargo xtask");
+    assert!(
+        output.status.success(),
+        "cargo xtask {args:?} failed ({}):\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// Asserts `systemd-analyze verify` succeeded and said nothing of guard's unit.
+pub fn assert_unit_verifies(verify: &std::process::Output) {
+    let report = String::from_utf8_lossy(&verify.stderr);
+    assert!(
+        verify.status.success(),
+        "systemd-analyze verify failed ({}):\n{report}",
+        verify.status
+    );
+    let about_unit: Vec<&str> = report
+        .lines()
+        .filter(|line| line.contains("guard.service"))
+        .collect();
+    assert!(
+        about_unit.is_empty(),
+        "systemd-analyze verify warns about the unit:\n{}",
+        about_unit.join("\n")
+    );
+}
+
 /// A loopback address with a port that was free a moment ago.
 pub fn free_addr() -> std::net::SocketAddr {
     std::net::TcpListener::bind("127.0.0.1:0")
