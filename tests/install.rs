@@ -187,19 +187,6 @@ fn the_systemd_unit_verifies() {
     );
 }
 
-/// "Overall exposure level for guard.service: 2.4 OK" as tenths (24).
-fn exposure_tenths(report: &str) -> Option<u32> {
-    let level = report
-        .lines()
-        .find_map(|line| line.split_once("Overall exposure level for guard.service: "))?
-        .1
-        .split_whitespace()
-        .next()?;
-    let (whole, tenth) = level.split_once('.')?;
-    let tenth: u32 = tenth.parse().ok().filter(|t| *t < 10)?;
-    Some(whole.parse::<u32>().ok()? * 10 + tenth)
-}
-
 /// `systemd-analyze security` rates the unit copy at `copy` at [`MAX_EXPOSURE_TENTHS`] or less.
 fn assert_exposure_at_most_3(copy: &Path) {
     // --threshold counts tenths: the exit status fails above 3.0.
@@ -212,7 +199,7 @@ fn assert_exposure_at_most_3(copy: &Path) {
         String::from_utf8_lossy(&security.stdout),
         String::from_utf8_lossy(&security.stderr)
     );
-    let exposure = exposure_tenths(&report).unwrap_or_else(|| {
+    let exposure = guard_tests::exposure_tenths(&report).unwrap_or_else(|| {
         panic!("systemd-analyze security printed no overall exposure level:\n{report}")
     });
     assert!(
@@ -325,16 +312,18 @@ fn the_systemd_unit_scores_3_or_less() {
 #[test]
 fn exposure_levels_parse() {
     assert_eq!(
-        exposure_tenths("x\n\u{2192} Overall exposure level for guard.service: 2.4 OK \u{1f642}\n"),
+        guard_tests::exposure_tenths(
+            "x\n\u{2192} Overall exposure level for guard.service: 2.4 OK \u{1f642}\n"
+        ),
         Some(24)
     );
     assert_eq!(
-        exposure_tenths("Overall exposure level for guard.service: 10.0 UNSAFE"),
+        guard_tests::exposure_tenths("Overall exposure level for guard.service: 10.0 UNSAFE"),
         Some(100)
     );
     assert_eq!(
-        exposure_tenths("Overall exposure level for x.service: 2.4"),
+        guard_tests::exposure_tenths("Overall exposure level for x.service: 2.4"),
         None
     );
-    assert_eq!(exposure_tenths("nothing"), None);
+    assert_eq!(guard_tests::exposure_tenths("nothing"), None);
 }

@@ -323,8 +323,8 @@ fn the_installed_unit_verifies_and_scores_3_or_less() {
         UNIT,
     ]);
     let report = text(&security);
-    let exposure =
-        exposure_tenths(&report).unwrap_or_else(|| panic!("no overall exposure level:\n{report}"));
+    let exposure = guard_tests::exposure_tenths(&report)
+        .unwrap_or_else(|| panic!("no overall exposure level:\n{report}"));
     println!(
         "systemd-analyze security: {}.{}",
         exposure / 10,
@@ -336,18 +336,6 @@ fn the_installed_unit_verifies_and_scores_3_or_less() {
         exposure / 10,
         exposure % 10
     );
-}
-
-/// "Overall exposure level for guard.service: 2.4 OK" as tenths (24).
-fn exposure_tenths(report: &str) -> Option<u32> {
-    let level = report
-        .lines()
-        .find_map(|line| line.split_once("Overall exposure level for guard.service: "))?
-        .1
-        .split_whitespace()
-        .next()?;
-    let (whole, tenth) = level.split_once('.')?;
-    Some(whole.parse::<u32>().ok()? * 10 + tenth.parse::<u32>().ok().filter(|t| *t < 10)?)
 }
 
 #[test]

@@ -200,6 +200,20 @@ pub fn assert_unit_verifies(verify: &std::process::Output) {
     );
 }
 
+/// "Overall exposure level for guard.service: 2.4 OK" (`systemd-analyze security`) as
+/// tenths (24).
+pub fn exposure_tenths(report: &str) -> Option<u32> {
+    let level = report
+        .lines()
+        .find_map(|line| line.split_once("Overall exposure level for guard.service: "))?
+        .1
+        .split_whitespace()
+        .next()?;
+    let (whole, tenth) = level.split_once('.')?;
+    let tenth: u32 = tenth.parse().ok().filter(|t| *t < 10)?;
+    Some(whole.parse::<u32>().ok()? * 10 + tenth)
+}
+
 /// A loopback address with a port that was free a moment ago.
 pub fn free_addr() -> std::net::SocketAddr {
     std::net::TcpListener::bind("127.0.0.1:0")
