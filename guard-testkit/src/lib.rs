@@ -8,4 +8,4 @@ pub mod wait;
 
 pub use trickle::trickle;
 pub use upstream::{Exchange, Mode, Pipe, Script, Upstream};
-pub use wait::{Polling, STATE_BOUND, until, until_with};
+pub use wait::{Polling, STATE_BOUND, try_until_with, until, until_with};

@@ -47,20 +47,31 @@ pub async fn until(what: &str, condition: impl AsyncFnMut() -> bool) {
 }
 
 /// Waits for `condition` as `polling` says; `what` names it when it never holds.
-pub async fn until_with(polling: Polling, what: &str, mut condition: impl AsyncFnMut() -> bool) {
+pub async fn until_with(polling: Polling, what: &str, condition: impl AsyncFnMut() -> bool) {
+    if let Err(never) = try_until_with(polling, what, condition).await {
+        panic!("{never}");
+    }
+}
+
+/// Waits for `condition` as `polling` says, and says so where it never holds (for a check
+/// whose failure is itself expected, as in a test that breaks what it checks on purpose).
+pub async fn try_until_with(
+    polling: Polling,
+    what: &str,
+    mut condition: impl AsyncFnMut() -> bool,
+) -> Result<(), String> {
     let started = Instant::now();
     while !condition().await {
         for _ in 0..polling.yields {
             tokio::task::yield_now().await;
             if condition().await {
-                return;
+                return Ok(());
             }
         }
-        assert!(
-            started.elapsed() < polling.bound,
-            "never within {:?}: {what}",
-            polling.bound
-        );
+        if started.elapsed() >= polling.bound {
+            return Err(format!("never within {:?}: {what}", polling.bound));
+        }
         tokio::time::sleep(polling.every).await;
     }
+    Ok(())
 }

@@ -88,17 +88,6 @@ fn bench_seconds() -> u64 {
 /// Rounds of `access_log_rows`: pairs measured, off and on, on each path.
 const ACCESS_ROUNDS: usize = 5;
 
-/// The middle figure (the mean of the two middle ones for an even count).
-fn median(figures: &mut [f64]) -> f64 {
-    figures.sort_by(f64::total_cmp);
-    let n = figures.len();
-    match n {
-        0 => f64::NAN,
-        _ if n % 2 == 1 => figures[n / 2],
-        _ => (figures[n / 2 - 1] + figures[n / 2]) / 2.0,
-    }
-}
-
 /// `cargo xtask bench proxy access`: the access log's cost alone.
 pub async fn access() {
     let seconds = bench_seconds();
@@ -250,7 +239,9 @@ fn access_log_rows(upstream: SocketAddr, duration: Duration) -> [Row; 2] {
             }
         }
     }
-    let middle = seen.map(|paths| paths.map(|mut figures| median(&mut figures)));
+    let middle = seen.map(|paths| {
+        paths.map(|figures| guard::quantile::quantile(&figures, 0.5).unwrap_or(f64::NAN))
+    });
     let row = |label: &str, [queued, pass]: [f64; 2]| {
         Row::new(
             label.into(),
