@@ -65,16 +65,37 @@ impl Peer {
     /// ways (no request or response buffering), as one puts it in front of an inference
     /// server.
     pub fn nginx_proxy(upstream: SocketAddr) -> Self {
-        let location = "location / {\n\
+        Self::nginx_proxy_logged(upstream, None)
+    }
+
+    /// `nginx_proxy`, writing a JSON access log line a request to `log` where given (fields
+    /// like guard's, in a 64 KiB buffer flushed each second: nginx's cheapest way).
+    pub fn nginx_proxy_logged(upstream: SocketAddr, log: Option<&std::path::Path>) -> Self {
+        // The format is the http block's, the log the location's (the http block says off).
+        let (format, log) = log
+            .map(|log| {
+                (
+                "log_format line escape=json '{\"time\":\"$time_iso8601\",\"id\":\"$request_id\",\
+                 \"client\":\"$remote_addr:$remote_port\",\"method\":\"$request_method\",\
+                 \"path\":\"$uri\",\"status\":$status,\"duration_ms\":$request_time,\
+                 \"bytes_in\":$request_length,\"bytes_out\":$bytes_sent}';\n"
+                    .to_owned(),
+                format!("access_log {} line buffer=64k flush=1s;\n", log.display()),
+            )
+            })
+            .unwrap_or_default();
+        let location = format!(
+            "location / {{\n{log}\
              proxy_pass http://backend;\n\
              proxy_http_version 1.1;\n\
              proxy_set_header Connection \"\";\n\
              proxy_buffering off;\n\
              proxy_request_buffering off;\n\
              proxy_read_timeout 300s;\n\
-             }\n";
-        let pool = format!("upstream backend {{ server {upstream}; keepalive 512; }}\n");
-        Self::nginx("nginx-proxy", location, Some(&pool))
+             }}\n"
+        );
+        let pool = format!("upstream backend {{ server {upstream}; keepalive 512; }}\n{format}");
+        Self::nginx("nginx-proxy", &location, Some(&pool))
     }
 
     fn nginx(name: &str, locations: &str, upstream_block: Option<&str>) -> Self {
@@ -270,9 +291,29 @@ pub struct Wrk {
 
 impl Wrk {
     pub fn run(&self, addr: SocketAddr, path: &str, body: &str) -> Load {
+        self.run_paced(addr, path, body, None)
+    }
+
+    /// `run`, each connection resting `pause` after each answer: a load below what the
+    /// machine can serve, whose CPU per request no longer swings with how the scheduler
+    /// shares out a saturated machine.
+    pub fn run_paced(
+        &self,
+        addr: SocketAddr,
+        path: &str,
+        body: &str,
+        pause: Option<Duration>,
+    ) -> Load {
         let dir = TempDir::new(&format!("wrk-{}", free_addr().port()));
         let script = dir.0.join("post.lua");
-        std::fs::write(&script, wrk_script(body)).expect("write the wrk script");
+        let mut text = wrk_script(body);
+        if let Some(pause) = pause {
+            text.push_str(&format!(
+                "function delay() return {} end\n",
+                pause.as_millis()
+            ));
+        }
+        std::fs::write(&script, text).expect("write the wrk script");
         let output = Command::new(WRK)
             .arg(format!("-t{}", self.threads.min(self.connections)))
             .arg(format!("-c{}", self.connections))

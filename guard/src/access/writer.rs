@@ -1,45 +1,34 @@
-//! The access log's writer: a thread of its own behind a bounded channel, so that a slow or
-//! full disk never delays a request. A line that cannot be queued or written is counted, not
-//! waited for. `reopen` (SIGUSR1) opens the path anew, for logrotate.
+//! The access log's writer. A request's line is serialized by the thread that concluded it,
+//! into that thread's buffer (one of a few, padded apart); a thread of the log's own takes the
+//! buffers every few milliseconds and writes them, so that a slow or full disk never delays a
+//! request, and no line crosses threads as a record. A line that finds its buffer full, or
+//! cannot be written, is counted, not waited for. `reopen` (SIGUSR1) opens the path anew, for
+//! logrotate.
 
 use std::{
     fs::{File, OpenOptions},
-    io::Write as _,
     os::unix::fs::OpenOptionsExt as _,
     path::{Path, PathBuf},
     sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-        mpsc::{self, RecvTimeoutError, SyncSender, TrySendError},
+        Arc, Mutex, MutexGuard, PoisonError,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
-    thread::JoinHandle,
+    thread::{JoinHandle, Thread},
     time::Duration,
 };
 
 use prometheus::IntCounter;
 
-use super::Record;
+use super::{Record, line::LineWriter};
 
-/// Records waiting for the disk, at most.
-const DEPTH: usize = 4_096;
-/// How long the writer waits for a record before it looks for a reopen.
+/// Bytes of lines a buffer holds for the disk, at most: about 2,000 lines, 40,000 a second
+/// from one thread at GATHER (twice this while its last lines are written).
+const BUFFER_BYTES: usize = 512 << 10;
+/// How long the writer rests when it found nothing, unless a line wakes it.
 const IDLE: Duration = Duration::from_millis(200);
-/// Lines written in one go, at most.
-const BATCH: usize = 1_024;
 /// After a write, the writer rests this long so that lines gather: one wake-up and one write
-/// for many requests, not one each (a line waits at most this long for its file).
-const GATHER: Duration = Duration::from_millis(10);
-
-/// What the writer thread is sent.
-#[expect(
-    clippy::large_enum_variant,
-    reason = "records move through the queue's slots, allocated once, not one box each"
-)]
-enum Message {
-    Line(Record),
-    /// Write what came before, then stop.
-    Close,
-}
+/// a buffer for many requests, not one each (a line waits at most this long for its file).
+const GATHER: Duration = Duration::from_millis(50);
 
 /// Why the access log could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -86,6 +75,89 @@ fn open_file(path: &Path) -> std::io::Result<File> {
     }
 }
 
+/// Lines serialized and not yet taken by the writer.
+#[derive(Default)]
+struct Pending {
+    text: Vec<u8>,
+    line: LineWriter,
+    /// The writer has taken its last: a line now is dropped (counted), not left unwritten.
+    closed: bool,
+}
+
+/// One buffer, on a cache line of its own: two threads' buffers never share one.
+#[repr(align(128))]
+#[derive(Default)]
+struct Buffer(Mutex<Pending>);
+
+impl Buffer {
+    fn lock(&self) -> MutexGuard<'_, Pending> {
+        // A panic while a line was appended leaves at worst a torn line; the log goes on.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// What the request path and the writer thread share.
+struct Lines {
+    buffers: Box<[Buffer]>,
+    /// The writer rests with nothing to write: the first line into an empty buffer wakes it.
+    idle: AtomicBool,
+    closing: AtomicBool,
+    reopen: AtomicBool,
+    dropped: IntCounter,
+}
+
+impl Lines {
+    fn new(dropped: IntCounter) -> Self {
+        // Twice the CPUs: serving threads (one a CPU) each find a buffer of their own.
+        let count = std::thread::available_parallelism()
+            .map_or(4, |n| n.get() * 2)
+            .clamp(2, 64);
+        Self {
+            buffers: (0..count).map(|_| Buffer::default()).collect(),
+            idle: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
+            reopen: AtomicBool::new(false),
+            dropped,
+        }
+    }
+
+    /// Serializes `record` into this thread's buffer; true where it is the buffer's first
+    /// line and the writer rests (the caller wakes it).
+    fn append(&self, record: &Record) -> bool {
+        let buffer = &self.buffers[thread_number() % self.buffers.len()];
+        let mut pending = buffer.lock();
+        let Pending { text, line, closed } = &mut *pending;
+        let start = text.len();
+        if *closed || start >= BUFFER_BYTES {
+            drop(pending);
+            self.dropped.inc();
+            return false;
+        }
+        line.write(record, text);
+        text.push(b'\n');
+        drop(pending);
+        // The buffer's lock orders this after the writer's `idle` store where it looked at
+        // this buffer before the line came: either it saw the line or this sees it resting.
+        start == 0 && self.idle.load(Ordering::Relaxed) && self.idle.swap(false, Ordering::AcqRel)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.buffers
+            .iter()
+            .all(|buffer| buffer.lock().text.is_empty())
+    }
+}
+
+/// This thread's number: threads take them in turn, so that threads started together (the
+/// serving threads) fall on different buffers.
+fn thread_number() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static NUMBER: usize = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    NUMBER.with(|number| *number)
+}
+
 /// The request path's end of the access log; cheap to clone.
 #[derive(Clone)]
 pub struct AccessLog {
@@ -93,10 +165,17 @@ pub struct AccessLog {
 }
 
 struct Inner {
-    sender: SyncSender<Message>,
-    reopen: Arc<AtomicBool>,
-    dropped: IntCounter,
-    thread: std::sync::Mutex<Option<JoinHandle<()>>>,
+    lines: Arc<Lines>,
+    writer: Thread,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    /// The last handle gone: the writer writes what is left and stops.
+    fn drop(&mut self) {
+        self.lines.closing.store(true, Ordering::Release);
+        self.writer.unpark();
+    }
 }
 
 impl AccessLog {
@@ -107,38 +186,31 @@ impl AccessLog {
 
     /// Opens `path` (`-` for standard output) and starts the writer.
     pub fn open(path: &str, dropped: IntCounter) -> Result<Self, OpenError> {
+        let error = |source| OpenError {
+            path: PathBuf::from(path),
+            source,
+        };
         let sink = match path {
             "-" => Sink::Stdout,
             path => Sink::File(PathBuf::from(path)),
         };
-        let out = sink.open().map_err(|source| OpenError {
-            path: PathBuf::from(path),
-            source,
-        })?;
-        let (sender, records) = mpsc::sync_channel(DEPTH);
-        let reopen = Arc::new(AtomicBool::new(false));
+        let out = sink.open().map_err(error)?;
+        let lines = Arc::new(Lines::new(dropped));
         let writer = Writer {
             sink,
             out,
-            reopen: Arc::clone(&reopen),
-            dropped: dropped.clone(),
-            batch: Vec::new(),
-            text: Vec::new(),
-            ends: Vec::new(),
+            spare: lines.buffers.iter().map(|_| Vec::new()).collect(),
+            lines: Arc::clone(&lines),
         };
         let thread = std::thread::Builder::new()
             .name("guard-access-log".to_owned())
-            .spawn(move || writer.run(&records))
-            .map_err(|source| OpenError {
-                path: PathBuf::from(path),
-                source,
-            })?;
+            .spawn(move || writer.run())
+            .map_err(error)?;
         Ok(Self {
             inner: Some(Arc::new(Inner {
-                sender,
-                reopen,
-                dropped,
-                thread: std::sync::Mutex::new(Some(thread)),
+                lines,
+                writer: thread.thread().clone(),
+                thread: Mutex::new(Some(thread)),
             })),
         })
     }
@@ -147,26 +219,26 @@ impl AccessLog {
         self.inner.is_some()
     }
 
-    /// Queues one line; never waits. A full queue drops it, counted.
-    pub fn write(&self, record: Record) {
+    /// Adds the request's line; never waits for the disk. A full buffer drops it, counted.
+    pub fn write(&self, record: &Record) {
         let Some(inner) = &self.inner else {
             return;
         };
-        // Serialized by the writer: the request path only moves the record.
-        match inner.sender.try_send(Message::Line(record)) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => inner.dropped.inc(),
+        if inner.lines.append(record) {
+            inner.writer.unpark();
         }
     }
 
-    /// Opens the path anew at the next line (after logrotate moved the file).
+    /// Opens the path anew before the next write (after logrotate moved the file).
     pub fn reopen(&self) {
         if let Some(inner) = &self.inner {
-            inner.reopen.store(true, Ordering::Release);
+            inner.lines.reopen.store(true, Ordering::Release);
+            inner.writer.unpark();
         }
     }
 
-    /// Writes what is queued and stops the writer (at shutdown); clones write nothing after.
+    /// Writes every line added so far and stops the writer (at shutdown); a line added after
+    /// is counted as dropped.
     pub fn close(&self) {
         let Some(inner) = &self.inner else {
             return;
@@ -174,10 +246,10 @@ impl AccessLog {
         let thread = inner
             .thread
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .unwrap_or_else(PoisonError::into_inner)
             .take();
-        // Queued behind every line already sent: the writer writes them, then stops.
-        let _ = inner.sender.send(Message::Close);
+        inner.lines.closing.store(true, Ordering::Release);
+        inner.writer.unpark();
         if let Some(thread) = thread {
             let _ = thread.join();
         }
@@ -188,74 +260,63 @@ impl AccessLog {
 struct Writer {
     sink: Sink,
     out: Box<dyn std::io::Write + Send>,
-    reopen: Arc<AtomicBool>,
-    dropped: IntCounter,
-    /// The batch's records, its text, and where each line ends in it: kept from batch to
-    /// batch (a fresh buffer this large would be pages mapped and unmapped each time).
-    batch: Vec<Record>,
-    text: Vec<u8>,
-    ends: Vec<usize>,
+    lines: Arc<Lines>,
+    /// A buffer for each of `lines.buffers`, swapped with it: lines gather in one while the
+    /// other is written, and neither is allocated anew.
+    spare: Vec<Vec<u8>>,
 }
 
 impl Writer {
-    fn run(mut self, messages: &mpsc::Receiver<Message>) {
+    fn run(mut self) {
         loop {
-            let first = match messages.recv_timeout(IDLE) {
-                Ok(Message::Line(line)) => line,
-                Ok(Message::Close) | Err(RecvTimeoutError::Disconnected) => return,
-                Err(RecvTimeoutError::Timeout) => {
-                    self.maybe_reopen();
-                    continue;
-                }
-            };
-            let mut batch = std::mem::take(&mut self.batch);
-            batch.push(first);
-            let mut close = false;
-            while batch.len() < BATCH {
-                match messages.try_recv() {
-                    Ok(Message::Line(line)) => batch.push(line),
-                    Ok(Message::Close) => {
-                        close = true;
-                        break;
-                    }
-                    Err(_) => break,
-                }
-            }
+            let closing = self.lines.closing.load(Ordering::Acquire);
             self.maybe_reopen();
-            self.write(&batch);
-            batch.clear();
-            self.batch = batch;
-            if close {
+            let wrote = self.write_all_taken(closing);
+            if closing {
                 return;
             }
-            std::thread::sleep(GATHER);
+            if wrote {
+                std::thread::sleep(GATHER);
+            } else {
+                self.rest();
+            }
         }
     }
 
-    /// Writes the batch with as few writes as the file takes; where one fails (a full disk),
-    /// every line not wholly written is counted as dropped.
-    fn write(&mut self, batch: &[Record]) {
-        let Self { text, ends, .. } = self;
-        text.clear();
-        ends.clear();
-        for record in batch {
-            if serde_json::to_writer(&mut *text, record).is_ok() {
-                text.push(b'\n');
-                ends.push(text.len());
-            } else {
-                self.dropped.inc();
+    /// Takes each buffer's lines and writes them; true where there were any. `last`: every
+    /// buffer is closed as it is taken.
+    fn write_all_taken(&mut self, last: bool) -> bool {
+        let mut wrote = false;
+        for (buffer, spare) in self.lines.buffers.iter().zip(&mut self.spare) {
+            {
+                let mut pending = buffer.lock();
+                std::mem::swap(&mut pending.text, spare);
+                pending.closed = last;
+            }
+            if !spare.is_empty() {
+                write_lines(&mut self.out, spare, &self.lines.dropped);
+                spare.clear();
+                wrote = true;
             }
         }
-        let written = write_most(&mut self.out, &self.text);
-        let whole = self.ends.iter().filter(|end| **end <= written).count();
-        self.dropped.inc_by((self.ends.len() - whole) as u64);
-        if self.out.flush().is_err() && whole == self.ends.len() {
-            self.dropped.inc();
+        wrote
+    }
+
+    /// Parks until a line, a reopen or the close wakes it, or IDLE passes.
+    fn rest(&self) {
+        self.lines.idle.store(true, Ordering::SeqCst);
+        // A line added before `idle` was set woke nobody: look once more.
+        let waiting = !self.lines.is_empty()
+            || self.lines.closing.load(Ordering::Acquire)
+            || self.lines.reopen.load(Ordering::Acquire);
+        if !waiting {
+            std::thread::park_timeout(IDLE);
         }
+        self.lines.idle.store(false, Ordering::Relaxed);
     }
 
     fn maybe_reopen(&mut self) {
-        if !self.reopen.swap(false, Ordering::AcqRel) {
+        if !self.lines.reopen.swap(false, Ordering::AcqRel) {
             return;
         }
         match self.sink.open() {
@@ -265,6 +326,17 @@ impl Writer {
                 tracing::error!(%error, "cannot reopen the access log; writing on to the old file");
             }
         }
+    }
+}
+
+/// Writes whole lines with as few writes as the file takes; where one fails (a full disk),
+/// every line not wholly written is counted as dropped.
+fn write_lines(out: &mut dyn std::io::Write, text: &[u8], dropped: &IntCounter) {
+    let written = write_most(out, text);
+    let lost = text[written..].iter().filter(|b| **b == b'\n').count();
+    dropped.inc_by(lost as u64);
+    if out.flush().is_err() && lost == 0 {
+        dropped.inc();
     }
 }
 

@@ -303,7 +303,7 @@ impl Metrics {
             ),
             access_log_dropped_total: IntCounter::new(
                 "guard_access_log_dropped_total",
-                "Access log lines that could not be queued or written (a slow or full disk); the requests were served.",
+                "Access log lines that found their buffer full or could not be written (a slow or full disk); the requests were served.",
             )
             .expect("valid counter"),
             energy_joules_total: Family::float_counter(

@@ -1,20 +1,25 @@
 //! Access log lines for the requests that have no owner: those passed through, and those
 //! refused before any owner existed (a bad path, framing, a method guard does not pass on).
 
-use std::sync::Arc;
+use std::{net::SocketAddr, sync::Arc};
 
 use http::{Method, Response, Uri};
 use tokio::time::Instant;
 
 use super::request::{Shared, identity, method_and_path};
 use crate::{
-    access::{AccessLog, Record},
+    access::{AccessLog, Identity, Record, RequestId, Word},
     reap::registry::Connection,
 };
 
-/// A line begun when its request arrived; written by `finish`, once.
+/// A line begun when its request arrived; written by `finish`, once. What the arrival tells,
+/// not a whole record: it moves with its request's future and answer body.
 pub(super) struct Line {
-    record: Record,
+    id: RequestId,
+    client: SocketAddr,
+    identity: Identity,
+    method: Word,
+    path: String,
     started: Instant,
     access: AccessLog,
 }
@@ -31,16 +36,12 @@ impl Line {
             return None;
         }
         let (method, path) = method_and_path(method, uri);
-        let record = Record {
+        Some(Self {
             id: crate::access::request_id(),
-            client: Some(connection.peer),
+            client: connection.peer,
             identity: identity(shared, connection, None),
             method,
             path,
-            ..Record::default()
-        };
-        Some(Self {
-            record,
             started: Instant::now(),
             access: shared.access.clone(),
         })
@@ -48,24 +49,27 @@ impl Line {
 
     /// Adds `X-Guard-Request-Id` to the answer.
     pub(super) fn tag<B>(&self, response: &mut Response<B>) {
-        crate::access::tag(response, self.record.id);
+        crate::access::tag(response, self.id);
     }
 
     /// Writes the line: the answer's status, how it ended, and the bytes each way.
     pub(super) fn finish(self, end: End) {
-        let Self {
-            mut record,
-            started,
-            access,
-        } = self;
-        record.time = Some(jiff::Timestamp::now());
-        record.status = end.status;
-        record.outcome = end.outcome.into();
-        record.reason = end.reason.map(Into::into);
-        record.bytes_in = end.bytes_in;
-        record.bytes_out = end.bytes_out;
-        record.duration_ms = crate::access::millis(started.elapsed());
-        access.write(record);
+        let record = Record {
+            time: Some(jiff::Timestamp::now()),
+            id: self.id,
+            client: Some(self.client),
+            identity: self.identity,
+            method: self.method,
+            path: self.path,
+            status: end.status,
+            outcome: end.outcome.into(),
+            reason: end.reason.map(Into::into),
+            bytes_in: end.bytes_in,
+            bytes_out: end.bytes_out,
+            duration_ms: crate::access::millis(self.started.elapsed()),
+            ..Record::default()
+        };
+        self.access.write(&record);
     }
 }
 

@@ -393,7 +393,7 @@ impl QueuedRequest {
         self.tell_client(&outcome, answer);
         if self.shared.access.is_on() {
             let line = self.access_record(&outcome, stage, elapsed);
-            self.shared.access.write(line);
+            self.shared.access.write(&line);
         }
     }
 
