@@ -14,8 +14,10 @@
 //!
 //! 4. Where guard's time goes: a flame graph per path under 64 clients (target/flame/).
 //!
-//! 5. What the access log costs: CPU per request with it on against off (`access`; the
-//!    table has the same two rows).
+//! 5. What the access log costs: CPU per request of three guards loaded side by side by paced
+//!    `wrk`s (log off, log on, a second with it off for the noise floor), and nginx's own JSON
+//!    access log measured the same way (`access`; the table has the same rows). Goal: on
+//!    within 5 % of off.
 //!
 //! `cargo xtask bench proxy table` (or `full`, `flood`, `access`, `flame`) runs one part;
 //! GUARD_BENCH_SECONDS sets each load's length (default 3).
