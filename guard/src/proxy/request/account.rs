@@ -79,9 +79,10 @@ fn shared_bounded(name: &Arc<str>) -> Arc<str> {
 const CLIENT_CLOSED: u16 = 499;
 
 impl QueuedRequest {
-    /// The request's access log line, as it concludes.
+    /// The request's access log line, as it concludes: the account's own words move into it
+    /// (nothing reads them after), the rest is copied.
     pub(super) fn access_record(
-        &self,
+        &mut self,
         outcome: &Outcome,
         stage: Stage,
         elapsed: Duration,
@@ -89,17 +90,19 @@ impl QueuedRequest {
         let (words, reason, ended_at) = outcome.words();
         let usage = self.usage.unwrap_or_default();
         let ms = crate::access::millis;
-        let account = &self.account;
+        let identity = identity(&self.shared, &self.connection, self.account.token.take());
+        let model = self.model.as_ref().map(|_| self.model_label());
+        let account = &mut self.account;
         Record {
             time: Some(jiff::Timestamp::now()),
             id: account.id,
             client: Some(self.connection.peer),
-            identity: self.identity(),
+            identity,
             class: self.class.clone(),
-            decided_by: account.decided_by.clone(),
-            method: account.method.clone(),
-            path: account.path.clone(),
-            model: self.model.as_ref().map(|_| self.model_label()),
+            decided_by: account.decided_by.take(),
+            method: std::mem::take(&mut account.method),
+            path: std::mem::take(&mut account.path),
+            model,
             status: account.status.unwrap_or(CLIENT_CLOSED),
             outcome: words.into(),
             reason: reason.map(Into::into),
@@ -119,10 +122,6 @@ impl QueuedRequest {
             slot_ms: self.waited.map(|_| ms(account.slot)),
             energy_joules: account.energy,
         }
-    }
-
-    fn identity(&self) -> Identity {
-        identity(&self.shared, &self.connection, self.account.token.clone())
     }
 }
 
