@@ -38,17 +38,18 @@ impl LineWriter {
         identity(&record.identity, out);
         optional(key!("class"), record.class.as_deref(), out);
         optional(key!("decided_by"), record.decided_by.as_deref(), out);
-        optional(key!("method"), Some(&record.method), out);
-        optional(key!("path"), Some(&record.path), out);
+        text(key!("method"), &record.method, out);
+        text(key!("path"), &record.path, out);
         optional(key!("model"), record.model.as_deref(), out);
         out.extend_from_slice(key!("status"));
         integer(record.status.into(), out);
-        optional(key!("outcome"), Some(&record.outcome), out);
+        text(key!("outcome"), &record.outcome, out);
         optional(key!("reason"), record.reason.as_deref(), out);
         optional(key!("stage"), record.stage.as_deref(), out);
         optional_float(key!("queue_ms"), record.queue_ms, out);
         optional_float(key!("ttft_ms"), record.ttft_ms, out);
-        optional_float(key!("duration_ms"), Some(record.duration_ms), out);
+        out.extend_from_slice(key!("duration_ms"));
+        float(record.duration_ms, out);
         tokens(&record.tokens, out);
         if record.preemptions != 0 {
             out.extend_from_slice(key!("preemptions"));
@@ -131,19 +132,26 @@ impl<'a> Nested<'a> {
     }
 }
 
+fn text(key: &[u8], value: &str, out: &mut Vec<u8>) {
+    out.extend_from_slice(key);
+    string(value, out);
+}
+
 fn optional(key: &[u8], value: Option<&str>, out: &mut Vec<u8>) {
     if let Some(value) = value {
-        out.extend_from_slice(key);
-        string(value, out);
+        text(key, value, out);
     }
 }
 
 fn optional_float(key: &[u8], value: Option<f64>, out: &mut Vec<u8>) {
-    let Some(value) = value else {
-        return;
-    };
-    out.extend_from_slice(key);
-    // As serde_json writes an f64: its shortest form by the same crate, null where not finite.
+    if let Some(value) = value {
+        out.extend_from_slice(key);
+        float(value, out);
+    }
+}
+
+/// As serde_json writes an f64: its shortest form by the same crate, null where not finite.
+fn float(value: f64, out: &mut Vec<u8>) {
     if value.is_finite() {
         out.extend_from_slice(zmij::Buffer::new().format_finite(value).as_bytes());
     } else {

@@ -17,7 +17,6 @@ pub struct Record {
     pub time: Option<jiff::Timestamp>,
     /// The request's id, also sent to the client as `X-Guard-Request-Id`.
     pub id: RequestId,
-    #[serde(serialize_with = "client_text")]
     pub client: Option<SocketAddr>,
     #[serde(default, skip_serializing_if = "Identity::is_empty")]
     pub identity: Identity,
@@ -157,33 +156,6 @@ impl Tokens {
     pub fn is_empty(&self) -> bool {
         *self == Self::default()
     }
-}
-
-/// `ip:port` as `SocketAddr`'s Display writes it; an IPv4 one put together from its numbers
-/// (the formatter machinery took a fifth of the writer's time).
-fn client_text<S: serde::Serializer>(
-    client: &Option<SocketAddr>,
-    serializer: S,
-) -> Result<S::Ok, S::Error> {
-    let Some(SocketAddr::V4(v4)) = client else {
-        return client.serialize(serializer);
-    };
-    // At most `255.255.255.255:65535`.
-    let mut text = [0u8; 21];
-    let mut len = 0;
-    let mut numbers = itoa::Buffer::new();
-    let octets = v4.ip().octets();
-    for (at, octet) in octets.iter().enumerate() {
-        let part = numbers.format(*octet).as_bytes();
-        text[len..len + part.len()].copy_from_slice(part);
-        len += part.len();
-        text[len] = if at < 3 { b'.' } else { b':' };
-        len += 1;
-    }
-    let port = numbers.format(v4.port()).as_bytes();
-    text[len..len + port.len()].copy_from_slice(port);
-    len += port.len();
-    serializer.serialize_str(std::str::from_utf8(&text[..len]).unwrap_or_default())
 }
 
 fn is_zero(n: &u64) -> bool {
