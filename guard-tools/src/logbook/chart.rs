@@ -33,9 +33,14 @@ pub fn letter(index: usize) -> &'static str {
     ["A", "B"].get(index).copied().unwrap_or("?")
 }
 
-/// The first eight characters of the entry's id, as `guard logbook list` shows it.
-pub fn short_id(entry: &Entry) -> &str {
-    &entry.id[..entry.id.len().min(8)]
+/// The entry's name in the report's charts and page: its letter and short id.
+pub fn name(index: usize, entry: &Entry) -> String {
+    format!("{} {}", letter(index), entry.short_id())
+}
+
+/// The entry's colour, for its curves, bars and column heading.
+pub fn colour(index: usize) -> RGBColor {
+    COLOURS[index % COLOURS.len()]
 }
 
 /// The distribution of `figure` in each entry, as cumulative shares of requests; the legend
@@ -78,7 +83,7 @@ pub fn ecdf<DB: DrawingBackend>(
         chart.draw_series(guide)?;
     }
     for (index, (entry, sorted)) in entries.iter().zip(&samples).enumerate() {
-        let colour = COLOURS[index % COLOURS.len()];
+        let colour = colour(index);
         chart.draw_series(LineSeries::new(
             steps(sorted, lo, hi),
             colour.stroke_width(2),
@@ -135,7 +140,7 @@ fn marks<DB: DrawingBackend>(
     entries: &[&Entry],
     index: usize,
 ) -> Drawn<DB> {
-    let colour = COLOURS[index % COLOURS.len()];
+    let colour = colour(index);
     let right_edge = chart.plotting_area().get_pixel_range().0.end;
     for quantile in [Quantile::P50, Quantile::P95] {
         let (name, share) = (quantile.name(), quantile.share());
@@ -169,14 +174,13 @@ fn legend<DB: DrawingBackend>(
     let font = ("sans-serif", LABEL).into_font();
     let unit = figure.unit().symbol();
     for (index, entry) in entries.iter().enumerate() {
-        let colour = COLOURS[index % COLOURS.len()];
+        let colour = colour(index);
         let y = 12 + 24 * index as i32;
         let spread = figure.spread(entry);
         let line = format!(
-            "{} {}  {}:  {} requests,  p50 {} {unit},  p95 {} {unit}",
-            letter(index),
-            short_id(entry),
-            entry.model.chars().take(24).collect::<String>(),
+            "{}  {}:  {} requests,  p50 {} {unit},  p95 {} {unit}",
+            name(index, entry),
+            super::truncate(&entry.model, 24),
             figure.samples(entry).len(),
             plain(spread.p50),
             plain(spread.p95),
@@ -215,7 +219,7 @@ pub fn bars<DB: DrawingBackend>(
     let max = values.iter().flatten().copied().fold(0.0, f64::max);
     let top = if max > 0.0 { max * 1.3 } else { 1.0 };
     let labels: Vec<String> = (entries.iter().enumerate())
-        .map(|(i, e)| format!("{} {}", letter(i), short_id(e)))
+        .map(|(i, e)| name(i, e))
         .collect();
     let mut chart = ChartBuilder::on(root)
         .caption(
@@ -241,7 +245,7 @@ pub fn bars<DB: DrawingBackend>(
         .light_line_style(WHITE)
         .draw()?;
     for (index, value) in values.iter().enumerate() {
-        let colour = COLOURS[index % COLOURS.len()];
+        let colour = colour(index);
         let at = index as i32;
         if let Some(value) = value {
             let corners = [

@@ -116,6 +116,11 @@ impl Entry {
     pub fn is_due(&self, today: jiff::civil::Date) -> bool {
         self.retest_date <= today
     }
+
+    /// The first eight characters of its id, as `guard logbook list` shows it.
+    pub fn short_id(&self) -> &str {
+        &self.id[..self.id.len().min(8)]
+    }
 }
 
 /// An entry as the logbook stores it, for tests: TTFT samples only, as before `runs` was kept.

@@ -140,7 +140,7 @@ pub fn list(entries: &[Entry], today: jiff::civil::Date) -> String {
         let due = if e.is_due(today) { " DUE" } else { "" };
         out.push_str(&format!(
             "{:<10} {:<20} {:<22} {:<12} {:>7.0}ms {:>7.0}ms {:<10} {:<12} {}{due}\n",
-            &e.id[..e.id.len().min(8)],
+            e.short_id(),
             e.recorded_at.strftime("%Y-%m-%dT%H:%M:%S").to_string(),
             truncate(&e.model, 22),
             truncate(&e.runtime, 12),

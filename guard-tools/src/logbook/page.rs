@@ -5,7 +5,7 @@
 use maud::{DOCTYPE, Markup, PreEscaped, html};
 
 use super::{
-    chart::{COLOURS, letter, short_id},
+    chart::{self, letter},
     compare::{Comparison, Row, Verdict, cell, verdict_key},
     entry::Entry,
     figures::{Distribution, Figure, Single},
@@ -84,7 +84,7 @@ pub fn page(
     skipped: &[Skipped],
 ) -> String {
     let names: Vec<String> = (entries.iter().enumerate())
-        .map(|(i, e)| format!("{} {}", letter(i), short_id(e)))
+        .map(|(i, e)| chart::name(i, e))
         .collect();
     let markup = html! {
         (DOCTYPE)
@@ -167,7 +167,7 @@ fn entries_table(entries: &[&Entry]) -> Markup {
 
 /// The colour of the entry's curves and bars, for its column heading.
 fn hex(index: usize) -> String {
-    let colour = COLOURS[index % COLOURS.len()];
+    let colour = chart::colour(index);
     format!("#{:02x}{:02x}{:02x}", colour.0, colour.1, colour.2)
 }
 
