@@ -75,15 +75,13 @@ fn last_error(command: &mut Command) -> Result<(), String> {
 }
 
 /// Runs the pod and checks it; Ok with what it saw, Err with the first check that failed.
-pub async fn check(manifests: &Manifests) -> Result<String, String> {
+pub async fn check(manifests: &Manifests) -> Result<String, Failed> {
     let dir = TempDir::new("guard-container");
     let run = translate(manifests, &dir.0)?;
     let node = Node::prepare(&run)?;
     let llama = Llama::start(node.upstream_port, node.slots).await?;
     let container = Container::start(&run)?;
-    let outcome = checks(&run, &node, &llama, &container).await;
-    let logs = container.logs();
-    match outcome {
+    match checks(&run, &node, &llama, &container).await {
         Ok(seen) => {
             let stopped = container.stop(run.grace_s)?;
             Ok(format!(
@@ -91,7 +89,39 @@ pub async fn check(manifests: &Manifests) -> Result<String, String> {
                 container.logs()
             ))
         }
-        Err(failure) => Err(format!("{failure}\nguard's log (last lines):\n{logs}")),
+        Err(failure) => Err(Failed {
+            failure,
+            logs: Some(container.logs()),
+        }),
+    }
+}
+
+/// How the privileges check fails where guard's eBPF program is not attached.
+pub const EBPF_NOT_ATTACHED: &str = "guard's eBPF program is not attached";
+
+/// The first check that failed, and guard's log then where guard had started.
+#[derive(Debug)]
+pub struct Failed {
+    pub failure: String,
+    pub logs: Option<String>,
+}
+
+impl From<String> for Failed {
+    fn from(failure: String) -> Self {
+        Self {
+            failure,
+            logs: None,
+        }
+    }
+}
+
+impl std::fmt::Display for Failed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.failure)?;
+        match &self.logs {
+            Some(logs) => write!(f, "\nguard's log (last lines):\n{logs}"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -125,7 +155,7 @@ async fn privileges(
     let status = http::get(metrics, "/status").await?.json();
     if status["ebpf"]["attached"] != true {
         return Err(format!(
-            "guard's eBPF program is not attached: {}",
+            "{EBPF_NOT_ATTACHED}: {}",
             status["ebpf"]["unavailable_reason"]
         ));
     }
@@ -164,7 +194,7 @@ async fn privileges(
 async fn reap(node: &Node, llama: &Llama, metrics: std::net::SocketAddr) -> Result<String, String> {
     let listen = std::net::SocketAddr::from(([127, 0, 0, 1], node.listen_port));
     let series = "guard_reaped_total{class=\"batch\",stage=\"running\"}";
-    let before = metric(metrics, series).await;
+    let before = read_metric(metrics, series).await?;
     let body = json!({"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 2000, "stream": true});
     let mut stream = raw_request(
         listen,
@@ -177,29 +207,31 @@ async fn reap(node: &Node, llama: &Llama, metrics: std::net::SocketAddr) -> Resu
         .await
         .map_err(|seen| format!("the stream ended before its first token: {seen}"))?;
     let events = "guard_ebpf_events_total";
-    let events_before = metric(metrics, events).await;
+    let events_before = read_metric(metrics, events).await?;
     let left = Instant::now();
     leave(stream, Leave::Fin);
     // Only connections to guard's listener are watched: the next events are this close.
     poll("guard's eBPF program sees the close", async || {
-        metric(metrics, events).await > events_before
+        metric(metrics, events)
+            .await
+            .is_some_and(|n| n > events_before)
     })
     .await?;
     poll("guard reaps the closed stream", async || {
-        metric(metrics, series).await > before
+        metric(metrics, series).await.is_some_and(|n| n > before)
     })
     .await?;
     poll("llama-server's slot frees", async || {
-        llama.metric("requests_processing").await == 0.0
+        llama.metric("requests_processing").await == Some(0.0)
     })
     .await?;
     let freed = left.elapsed();
     // The reap is timed from the kernel's event where it came first (hyper or the relay may
     // notice the close a moment before it does).
-    let kernel = metric(metrics, "guard_reap_latency_seconds_count").await;
+    let kernel = read_metric(metrics, "guard_reap_latency_seconds_count").await?;
     let timed = match kernel >= 1.0 {
         true => {
-            let latency = metric(metrics, "guard_reap_latency_seconds_sum").await / kernel;
+            let latency = read_metric(metrics, "guard_reap_latency_seconds_sum").await? / kernel;
             format!("{:.1} ms after the kernel's close event", latency * 1000.0)
         }
         false => "before the kernel's close event reached it".to_owned(),
@@ -224,7 +256,9 @@ async fn freeze_and_restore(node: &Node, metrics: std::net::SocketAddr) -> Resul
     }
     let inflight = "guard_inflight{class=\"batch\"}";
     poll("batch work fills every slot", async || {
-        metric(metrics, inflight).await >= node.slots as f64
+        metric(metrics, inflight)
+            .await
+            .is_some_and(|n| n >= node.slots as f64)
     })
     .await?;
     let short = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
@@ -239,7 +273,7 @@ async fn freeze_and_restore(node: &Node, metrics: std::net::SocketAddr) -> Resul
         .status
     });
     poll("guard freezes the batch class", async || {
-        metric(metrics, "guard_class_throttled{class=\"batch\"}").await == 1.0
+        metric(metrics, "guard_class_throttled{class=\"batch\"}").await == Some(1.0)
     })
     .await?;
     let frozen = read(&freeze_file);
@@ -487,8 +521,10 @@ impl Llama {
         Ok(llama)
     }
 
-    async fn metric(&self, name: &str) -> f64 {
-        metric(self.addr, &format!("llamacpp:{name}")).await
+    /// The server's own series: None where /metrics does not answer or lacks it.
+    async fn metric(&self, name: &str) -> Option<f64> {
+        let response = http::get(self.addr, "/metrics").await.ok()?;
+        guard_tests::metric(&response.text(), &format!("llamacpp:{name}"))
     }
 }
 
@@ -589,11 +625,18 @@ impl Drop for Container {
     }
 }
 
-async fn metric(addr: std::net::SocketAddr, series: &str) -> f64 {
-    match http::get(addr, "/metrics").await {
-        Ok(response) => guard_tests::metric(&response.text(), series).unwrap_or(0.0),
-        Err(_) => 0.0,
-    }
+/// One of guard's series: 0 where guard has not written it yet (a labelled series before its
+/// first count), None where /metrics does not answer.
+async fn metric(addr: std::net::SocketAddr, series: &str) -> Option<f64> {
+    let response = http::get(addr, "/metrics").await.ok()?;
+    Some(guard_tests::metric(&response.text(), series).unwrap_or(0.0))
+}
+
+/// `metric`, where /metrics not answering is a failure.
+async fn read_metric(addr: std::net::SocketAddr, series: &str) -> Result<f64, String> {
+    metric(addr, series)
+        .await
+        .ok_or_else(|| format!("guard's /metrics does not answer (reading {series})"))
 }
 
 /// Polls `done` every 50 ms until it holds; Err after [`BOUND`].
