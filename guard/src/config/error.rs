@@ -99,14 +99,6 @@ impl ConfigError {
         }
     }
 
-    /// The key it names, where it names one.
-    pub fn key(&self) -> Option<&str> {
-        match self {
-            Self::Invalid { key, .. } => Some(key),
-            _ => None,
-        }
-    }
-
     /// One error for a list of them (none of which is `Several`), sorted by line.
     pub(super) fn all(mut errors: Vec<ConfigError>) -> Self {
         errors.sort_by_key(|e| match e {

@@ -498,9 +498,7 @@ impl Serialize for Preemptible {
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct HeaderRule {
-    #[serde(default)]
     pub name: String,
-    #[serde(default)]
     pub value: String,
 }
 

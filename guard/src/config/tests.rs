@@ -66,6 +66,16 @@ fn unknown_key_is_named_with_its_line() {
 }
 
 #[test]
+fn a_header_rule_without_its_value_is_refused_not_read_as_empty() {
+    let text =
+        "[[classify.rule]]\nname = \"r\"\nclass = \"batch\"\nheader = { name = \"x-team\" }\n";
+    let (line, key, message) = invalid(text);
+    assert_eq!(line, Some(4));
+    assert_eq!(key, "classify.rule[0].header");
+    assert_eq!(message, "missing key `value`");
+}
+
+#[test]
 fn wrong_type_is_named_with_its_line() {
     let (line, key, _) = invalid("[upstream]\n\nmax_concurrency = \"two\"\n");
     assert_eq!((line, key.as_str()), (Some(3), "upstream.max_concurrency"));
