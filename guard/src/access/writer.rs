@@ -24,6 +24,9 @@ use super::{Record, line::LineWriter};
 /// Bytes of lines a buffer holds for the disk, at most: about 2,000 lines, 40,000 a second
 /// from one thread at GATHER (twice this while its last lines are written).
 const BUFFER_BYTES: usize = 512 << 10;
+/// A buffer written out keeps at most this much room for the next lines: a burst does not
+/// hold its memory for the life of the process.
+const KEPT_BYTES: usize = 64 << 10;
 /// How long the writer rests when it found nothing, unless a line wakes it.
 const IDLE: Duration = Duration::from_millis(200);
 /// After a write, the writer rests this long so that lines gather: one wake-up and one write
@@ -276,7 +279,7 @@ impl Writer {
                 return;
             }
             if wrote {
-                std::thread::sleep(GATHER);
+                self.gather();
             } else {
                 self.rest();
             }
@@ -296,10 +299,27 @@ impl Writer {
             if !spare.is_empty() {
                 write_lines(&mut self.out, spare, &self.lines.dropped);
                 spare.clear();
+                spare.shrink_to(KEPT_BYTES);
                 wrote = true;
             }
         }
         wrote
+    }
+
+    /// Lets lines gather for GATHER; a close or a reopen cuts it short (lines do not wake
+    /// the writer now: `idle` is false).
+    fn gather(&self) {
+        let until = std::time::Instant::now() + GATHER;
+        loop {
+            let now = std::time::Instant::now();
+            if now >= until
+                || self.lines.closing.load(Ordering::Acquire)
+                || self.lines.reopen.load(Ordering::Acquire)
+            {
+                return;
+            }
+            std::thread::park_timeout(until - now);
+        }
     }
 
     /// Parks until a line, a reopen or the close wakes it, or IDLE passes.
@@ -353,3 +373,6 @@ fn write_most(out: &mut dyn std::io::Write, text: &[u8]) -> usize {
     }
     written
 }
+
+#[cfg(test)]
+mod tests;
