@@ -5,7 +5,7 @@
 
 use std::{path::Path, process::Command};
 
-use guard_tests::{TempDir, free_addr, guard_bin, require_root, servers::GuardProcess};
+use guard_tests::{TempDir, TestCgroup, free_addr, guard_bin, require_root, servers::GuardProcess};
 
 /// Runs guard's subcommand `args[0]` with `--config` and the rest of `args`: its exit code,
 /// stdout and stderr.
@@ -157,18 +157,14 @@ fn exec_exits_as_sysexits_says_or_with_its_commands_own_status() {
 #[test]
 fn exec_runs_its_command_in_the_cgroup_and_exits_with_its_status() {
     require_root();
-    let Some(root) = guard::throttle::cgroup::mounts()
-        .into_iter()
-        .find(|m| m.v1_controllers.is_none())
-        .map(|m| m.root)
-    else {
-        return; // no cgroup2 on this host: nothing to join
-    };
     let dir = TempDir::new("guard-config-exec-cgroup");
-    let cgroup = root.join(format!("guard-test-exec-{}", std::process::id()));
+    // `guard exec` makes the cgroup; removed on drop, whatever the asserts below say.
+    let cgroup = TestCgroup {
+        path: guard_tests::cgroup2_root().join(format!("guard-test-exec-{}", std::process::id())),
+    };
     let text = format!(
         "[class.interactive]\n[class.batch]\ncgroup = \"{}\"\n",
-        cgroup.display()
+        cgroup.path.display()
     );
     let path = config_file(&dir, "exec.toml", &text);
     let script = "grep -q guard-test-exec /proc/self/cgroup && exit 7; exit 1";
@@ -181,5 +177,5 @@ fn exec_runs_its_command_in_the_cgroup_and_exits_with_its_status() {
     );
     let (code, _, _) = guard(&["exec", "--class", "batch", "--", "/no/such/cmd"], &path);
     assert_eq!(code, Some(127));
-    std::fs::remove_dir(&cgroup).expect("remove the test cgroup");
+    assert!(cgroup.path.is_dir(), "guard exec made the class's cgroup");
 }
