@@ -80,27 +80,12 @@ pub fn config_exit_code(err: &ConfigError) -> u8 {
 /// Moves this process into `class`'s cgroup and replaces it with `command`. Returns only on
 /// failure.
 pub fn exec(config: &Config, class: &str, command: &[String]) -> ExecError {
-    let Some(settings) = config.class.get(class) else {
-        return ExecError::UnknownClass {
-            class: class.to_owned(),
-            known: config.class_names(),
-        };
+    let path = match cgroup_of(config, class) {
+        Ok(path) => path,
+        Err(err) => return err,
     };
-    let Some(path) = &settings.cgroup else {
-        return ExecError::NoCgroup {
-            class: class.to_owned(),
-        };
-    };
-    // Made anywhere else, the directory and its cgroup.procs would be plain files, and CMD
-    // would run outside any cgroup without a word.
-    if let Err(source @ CgroupError::NotCgroup { .. }) = Cgroup::check(path, None) {
-        return ExecError::NotCgroup {
-            class: class.to_owned(),
-            source,
-        };
-    }
     let cgroup_error = |source| ExecError::Cgroup {
-        path: path.clone(),
+        path: path.to_path_buf(),
         source,
     };
     if let Err(err) = std::fs::create_dir_all(path) {
@@ -122,6 +107,33 @@ pub fn exec(config: &Config, class: &str, command: &[String]) -> ExecError {
     }
 }
 
+/// The class's cgroup, where `exec` may join it: the class exists, names a cgroup, and that
+/// path lies on a cgroup filesystem. Nothing is made or joined here.
+fn cgroup_of<'a>(config: &'a Config, class: &str) -> Result<&'a std::path::Path, ExecError> {
+    let settings = config
+        .class
+        .get(class)
+        .ok_or_else(|| ExecError::UnknownClass {
+            class: class.to_owned(),
+            known: config.class_names(),
+        })?;
+    let path = settings
+        .cgroup
+        .as_deref()
+        .ok_or_else(|| ExecError::NoCgroup {
+            class: class.to_owned(),
+        })?;
+    // Made anywhere else, the directory and its cgroup.procs would be plain files, and CMD
+    // would run outside any cgroup without a word.
+    if let Err(source @ CgroupError::NotCgroup { .. }) = Cgroup::check(path, None) {
+        return Err(ExecError::NotCgroup {
+            class: class.to_owned(),
+            source,
+        });
+    }
+    Ok(path)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,7 +141,10 @@ mod tests {
     #[test]
     fn each_failure_exits_as_sysexits_says() {
         let mut config = Config::default();
-        let run = |config: &Config, class: &str| exec(config, class, &["true".to_owned()]);
+        // The checks alone: were one to pass, `exec` would replace this test process.
+        let run = |config: &Config, class: &str| {
+            cgroup_of(config, class).expect_err("a check that passed")
+        };
         assert_eq!(run(&config, "nope").exit_code(), EX_USAGE);
         let no_cgroup = run(&config, "batch");
         assert_eq!(no_cgroup.exit_code(), EX_CONFIG);
