@@ -134,41 +134,44 @@ pub fn run(config: &Config) -> Vec<Check> {
     checks
 }
 
-/// The config's class cgroups and listening addresses, as `guard run` would meet them.
+/// The config's listening addresses, class cgroups, state directory and access log, as
+/// `guard run` would meet them.
 fn host(config: &Config) -> Vec<Check> {
-    let mut findings = crate::host::check(config);
     let mut checks: Vec<Check> = crate::host::addresses(config)
-        .map(|(key, addr)| {
-            let at = findings
-                .iter()
-                .position(|f| f.key == key && f.why.contains(&addr.to_string()));
-            Check {
-                name: key,
-                result: match at {
-                    Some(at) => Err(Missing::Host {
-                        finding: findings.remove(at),
-                    }),
-                    None => Ok(format!("{addr} is free")),
-                },
-            }
+        .map(|(key, addr)| Check {
+            name: key,
+            result: match crate::host::listen(key, addr) {
+                Some(finding) => Err(Missing::Host { finding }),
+                None => Ok(format!("{addr} is free")),
+            },
         })
         .collect();
+    let findings = crate::host::files(config);
     let cgroups: Vec<String> = config
         .class
         .iter()
         .filter_map(|(name, class)| Some(format!("{name} {}", class.cgroup.as_ref()?.display())))
         .collect();
-    if findings.is_empty() && !cgroups.is_empty() {
+    if !cgroups.is_empty() && !findings.iter().any(|f| f.key.starts_with("class.")) {
         checks.push(Check {
             name: "class cgroups",
             result: Ok(format!("usable: {}", cgroups.join(", "))),
         });
     }
     checks.extend(findings.into_iter().map(|finding| Check {
-        name: "class cgroups",
+        name: topic(&finding.key),
         result: Err(Missing::Host { finding }),
     }));
     checks
+}
+
+/// The check a file-system finding belongs to, by its key.
+fn topic(key: &str) -> &'static str {
+    match key {
+        "log.access" => "access log",
+        "risk.state_dir" => "state directory",
+        _ => "class cgroups",
+    }
 }
 
 /// Renders checks one per line; the bool says whether guard can run here (nothing blocks it).

@@ -44,9 +44,16 @@ impl Finding {
 
 /// Everything this host refuses the config, checked without changing anything.
 pub fn check(config: &Config) -> Vec<Finding> {
+    let mut found = files(config);
+    found.extend(addresses(config).filter_map(|(key, addr)| listen(key, addr)));
+    found
+}
+
+/// What `check` finds in the file system: the class cgroups, the state directory, the
+/// access log.
+pub fn files(config: &Config) -> Vec<Finding> {
     let mut found = cgroups(config);
     found.extend(access_log(config));
-    found.extend(addresses(config).filter_map(|(key, addr)| listen(key, addr)));
     found
 }
 
