@@ -200,15 +200,7 @@ pub fn visit(dir: &Path, each: &mut dyn FnMut(&Path, &fs::Metadata) -> Result<()
 /// The last commit's time: the changelog's date and every file's mtime, so that the same
 /// commit makes the same package.
 pub fn source_date_epoch(workspace: &Path) -> String {
-    Command::new("git")
-        .args(["log", "-1", "--format=%ct"])
-        .current_dir(workspace)
-        .output()
-        .ok()
-        .filter(|out| out.status.success())
-        .map(|out| String::from_utf8_lossy(&out.stdout).trim().to_owned())
-        .filter(|epoch| !epoch.is_empty())
-        .unwrap_or_else(|| "0".to_owned())
+    crate::image::git(workspace, &["log", "-1", "--format=%ct"]).unwrap_or_else(|| "0".to_owned())
 }
 
 /// The changelog template with its version and an RFC 5322 date.
@@ -218,6 +210,12 @@ fn fill(template: &str, version: &str, epoch: &str) -> Result<String> {
         .arg(format!("@{epoch}"))
         .output()
         .context("date")?;
+    if !date.status.success() {
+        bail!(
+            "date -d @{epoch}: {}",
+            String::from_utf8_lossy(&date.stderr)
+        );
+    }
     let date = String::from_utf8_lossy(&date.stdout).trim().to_owned();
     Ok(template
         .replace("@VERSION@", version)

@@ -56,9 +56,7 @@ pub fn image() -> Result<String> {
     build(&containerfile, &context, &tag, &args)?;
     if let Some(old) = old_id.filter(|old| image_id(&tag).as_ref() != Some(old)) {
         // The image this one replaces, untagged now; best effort.
-        let _ = Command::new("podman")
-            .args(["rmi", "--force", &old])
-            .output();
+        let _ = podman_output(&["rmi", "--force", &old]);
     }
     let size = podman_output(&["image", "inspect", "--format", "{{.Size}}", &tag])?;
     eprintln!(
@@ -196,7 +194,8 @@ fn revision(workspace: &Path) -> String {
     }
 }
 
-fn git(workspace: &Path, args: &[&str]) -> Option<String> {
+/// What `git args` prints in `workspace`, trimmed; None where it fails or prints nothing.
+pub fn git(workspace: &Path, args: &[&str]) -> Option<String> {
     let out = Command::new("git")
         .args(args)
         .current_dir(workspace)
