@@ -146,9 +146,13 @@ fn shlib_depends(workspace: &Path, binary: &Path) -> Result<String> {
 /// Files 0644, directories 0755, but what install::stage made tighter on purpose (the
 /// config, 0640; the state directory, 0750) and the binary (0755).
 fn set_modes(root: &Path) -> Result<()> {
+    let (state, binary, config) = (install::STATE_DIR, DEBIAN.binary, install::CONFIG);
     run(Command::new("sh")
         .arg("-c")
-        .arg("find . -type d ! -path ./var/lib/guard -exec chmod 0755 {} + && find . -type f ! -path ./usr/bin/guard ! -path ./etc/guard/guard.toml -exec chmod 0644 {} +")
+        .arg(format!(
+            "find . -type d ! -path ./{state} -exec chmod 0755 {{}} + && \
+             find . -type f ! -path ./{binary} ! -path ./{config} -exec chmod 0644 {{}} +"
+        ))
         .current_dir(root))
 }
 
