@@ -13,6 +13,7 @@ use guard_tests::{
     ChildGuard, TempDir, cgroup2_root,
     http::{self, Leave, leave, raw_request, read_until},
     process_cpu_seconds,
+    servers::LlamaServer,
 };
 use serde_json::json;
 
@@ -79,7 +80,8 @@ pub async fn check(manifests: &Manifests) -> Result<String, Failed> {
     let dir = TempDir::new("guard-container");
     let run = translate(manifests, &dir.0)?;
     let node = Node::prepare(&run)?;
-    let llama = Llama::start(node.upstream_port, node.slots).await?;
+    let llama =
+        LlamaServer::start_on(([127, 0, 0, 1], node.upstream_port).into(), node.slots).await;
     let container = Container::start(&run)?;
     match checks(&run, &node, &llama, &container).await {
         Ok(seen) => {
@@ -128,7 +130,7 @@ impl std::fmt::Display for Failed {
 async fn checks(
     run: &PodmanRun,
     node: &Node,
-    llama: &Llama,
+    llama: &LlamaServer,
     container: &Container,
 ) -> Result<String, String> {
     let metrics = std::net::SocketAddr::from(([127, 0, 0, 1], node.metrics_port));
@@ -191,7 +193,11 @@ async fn privileges(
 
 /// A streaming batch client on the real llama-server closes: guard's eBPF program sees it,
 /// guard aborts the generation, the slot frees.
-async fn reap(node: &Node, llama: &Llama, metrics: std::net::SocketAddr) -> Result<String, String> {
+async fn reap(
+    node: &Node,
+    llama: &LlamaServer,
+    metrics: std::net::SocketAddr,
+) -> Result<String, String> {
     let listen = std::net::SocketAddr::from(([127, 0, 0, 1], node.listen_port));
     let series = "guard_reaped_total{class=\"batch\",stage=\"running\"}";
     let before = read_metric(metrics, series).await?;
@@ -222,7 +228,7 @@ async fn reap(node: &Node, llama: &Llama, metrics: std::net::SocketAddr) -> Resu
     })
     .await?;
     poll("llama-server's slot frees", async || {
-        llama.metric("requests_processing").await == Some(0.0)
+        llama.metric("requests_processing").await == 0.0
     })
     .await?;
     let freed = left.elapsed();
@@ -479,52 +485,6 @@ impl Drop for Node {
     fn drop(&mut self) {
         let _ = std::fs::write(self.batch_cgroup.join("cgroup.freeze"), "0");
         let _ = std::fs::remove_dir(&self.batch_cgroup);
-    }
-}
-
-/// llama-server on the config's upstream port, with as many slots as guard sends at once.
-struct Llama {
-    addr: std::net::SocketAddr,
-    _child: ChildGuard,
-}
-
-impl Llama {
-    async fn start(port: u16, slots: usize) -> Result<Self, String> {
-        let env = |name: &str| {
-            std::env::var(name)
-                .map_err(|_| format!("{name} is not set: run through cargo xtask test"))
-        };
-        let child = Command::new(env("GUARD_LLAMA_SERVER")?)
-            .args(["-m", &env("GUARD_LLAMA_MODEL")?])
-            .args([
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "--metrics",
-            ])
-            .args(["-np", &slots.to_string(), "-c", &(2048 * slots).to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("llama-server: {e}"))?;
-        let llama = Self {
-            addr: ([127, 0, 0, 1], port).into(),
-            _child: ChildGuard(child),
-        };
-        poll("llama-server is ready", async || {
-            http::get(llama.addr, "/health")
-                .await
-                .is_ok_and(|r| r.status == 200)
-        })
-        .await?;
-        Ok(llama)
-    }
-
-    /// The server's own series: None where /metrics does not answer or lacks it.
-    async fn metric(&self, name: &str) -> Option<f64> {
-        let response = http::get(self.addr, "/metrics").await.ok()?;
-        guard_tests::metric(&response.text(), &format!("llamacpp:{name}"))
     }
 }
 

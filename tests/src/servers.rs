@@ -58,7 +58,15 @@ impl LlamaServer {
     /// The same, with more of llama-server's own arguments.
     pub async fn start_with(slots: usize, extra: &[&str]) -> Self {
         let extra: Vec<String> = extra.iter().map(|a| (*a).to_owned()).collect();
-        let addr = free_addr();
+        Self::start_at(free_addr(), slots, extra).await
+    }
+
+    /// One on `addr` (where a config or manifest names its port).
+    pub async fn start_on(addr: SocketAddr, slots: usize) -> Self {
+        Self::start_at(addr, slots, Vec::new()).await
+    }
+
+    async fn start_at(addr: SocketAddr, slots: usize, extra: Vec<String>) -> Self {
         let child = Self::spawn(addr, slots, &extra);
         let server = Self {
             addr,
