@@ -271,6 +271,34 @@ pub fn cpu_time(pid: u32) -> CpuTime {
     }
 }
 
+/// The time `pid` and its child processes have run on a CPU, all threads, to the
+/// nanosecond (the scheduler's own sum; `cpu_time`'s clock ticks are 10 ms apart, 1 % of a
+/// 3 s load at a quarter of a core).
+pub fn cpu_run_time(pid: u32) -> Duration {
+    let ran = |pid: u32| -> Option<(u64, Vec<u32>)> {
+        let process = procfs::process::Process::new(i32::try_from(pid).ok()?).ok()?;
+        let tasks: Vec<_> = process.tasks().ok()?.flatten().collect();
+        let nanos = tasks
+            .iter()
+            .filter_map(|task| task.schedstat().ok())
+            .map(|stat| stat.sum_exec_runtime)
+            .sum();
+        let children = tasks
+            .iter()
+            .filter_map(|task| task.children().ok())
+            .flatten()
+            .collect();
+        Some((nanos, children))
+    };
+    let (mut nanos, children) = ran(pid).unwrap_or_default();
+    nanos += children
+        .into_iter()
+        .filter_map(ran)
+        .map(|(n, _)| n)
+        .sum::<u64>();
+    Duration::from_nanos(nanos)
+}
+
 /// What one `wrk` run measured.
 #[derive(Clone, Copy, Debug)]
 pub struct Load {

@@ -150,13 +150,42 @@ fn optional_float(key: &[u8], value: Option<f64>, out: &mut Vec<u8>) {
     }
 }
 
-/// As serde_json writes an f64: its shortest form by the same crate, null where not finite.
+/// As serde_json writes an f64: its shortest form by the same crate, null where not finite;
+/// a whole number of millionths (milliseconds read off nanoseconds) from its digits.
 fn float(value: f64, out: &mut Vec<u8>) {
-    if value.is_finite() {
+    if let Some(millionths) = millionths(value) {
+        let mut digits = itoa::Buffer::new();
+        out.extend_from_slice(digits.format(millionths / 1_000_000).as_bytes());
+        let fraction = (millionths % 1_000_000) as u32;
+        if fraction == 0 {
+            return out.extend_from_slice(b".0");
+        }
+        let mut text = *b".000000";
+        let mut left = fraction;
+        for digit in text[1..].iter_mut().rev() {
+            *digit = b'0' + (left % 10) as u8;
+            left /= 10;
+        }
+        let end = text.iter().rposition(|d| *d != b'0').map_or(0, |at| at + 1);
+        out.extend_from_slice(&text[..end]);
+    } else if value.is_finite() {
         out.extend_from_slice(zmij::Buffer::new().format_finite(value).as_bytes());
     } else {
         out.extend_from_slice(b"null");
     }
+}
+
+/// `value` as n millionths, where it is exactly the double nearest n / 10^6 and the shortest
+/// form writes it as that decimal: with at most 15 significant digits no other decimal as
+/// short names the same double (so n's digits are the shortest form), and from 10^-5 up to
+/// 10^16 that form is plain, not an exponent (0 is written `0.0`; -0 is left to zmij).
+fn millionths(value: f64) -> Option<u64> {
+    if !(value.is_sign_positive() && value < 1e9) {
+        return None;
+    }
+    // The nearest n (`round` is a library call on baseline x86-64); checked just below.
+    let n = (value * 1e6 + 0.5) as u64;
+    (n as f64 / 1e6 == value && (n == 0 || n >= 10)).then_some(n)
 }
 
 fn integer(value: u64, out: &mut Vec<u8>) {

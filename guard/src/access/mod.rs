@@ -1,12 +1,13 @@
 //! The access log: one JSON line per request, queued or passed through, written when it
 //! concludes, off the request path (docs/design.md §7a).
 
+pub mod clock;
 mod line;
 mod record;
 mod writer;
 
 pub use record::{Identity, Record, RequestId, RequestIdError, Tokens, Word};
-pub use writer::{AccessLog, OpenError};
+pub use writer::{AccessLog, LaterLine, OpenError};
 
 /// The header that tells the client its request's id (its access log line's `id`).
 const REQUEST_ID_HEADER: http::HeaderName = http::HeaderName::from_static("x-guard-request-id");

@@ -24,9 +24,10 @@ use super::{Record, line::LineWriter};
 /// Bytes of lines a buffer holds for the disk, at most: about 2,000 lines, 40,000 a second
 /// from one thread at GATHER (twice this while its last lines are written).
 const BUFFER_BYTES: usize = 512 << 10;
-/// A buffer written out keeps at most this much room for the next lines: a burst does not
-/// hold its memory for the life of the process.
-const KEPT_BYTES: usize = 64 << 10;
+/// A buffer written out keeps its room up to twice the lines it held, or this much: the next
+/// gathering of as many lines finds its room ready (no regrowth, no fresh pages each time),
+/// and a burst does not hold its memory for the life of the process.
+const KEPT_BYTES: usize = 16 << 10;
 /// How long the writer rests when it found nothing, unless a line wakes it.
 const IDLE: Duration = Duration::from_millis(200);
 /// After a write, the writer rests this long so that lines gather: one wake-up and one write
@@ -124,11 +125,15 @@ impl Lines {
         }
     }
 
-    /// Serializes `record` into this thread's buffer; true where it is the buffer's first
-    /// line and the writer rests (the caller wakes it).
-    fn append(&self, record: &Record) -> bool {
-        let buffer = &self.buffers[thread_number() % self.buffers.len()];
-        let mut pending = buffer.lock();
+    /// The buffer of the calling thread.
+    fn own_buffer(&self) -> usize {
+        thread_number() % self.buffers.len()
+    }
+
+    /// Serializes `record` into buffer `at`; true where it is the buffer's first line and the
+    /// writer rests (the caller wakes it).
+    fn append(&self, at: usize, record: &Record) -> bool {
+        let mut pending = self.buffers[at].lock();
         let Pending { text, line, closed } = &mut *pending;
         let start = text.len();
         if *closed || start >= BUFFER_BYTES {
@@ -171,6 +176,32 @@ struct Inner {
     lines: Arc<Lines>,
     writer: Thread,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// A handle for each buffer, handed to the lines its threads write later.
+    held: Box<[LaterLine]>,
+}
+
+/// A buffer's end of the log, kept by a request whose line is written when it ends (a
+/// pass-through answer's body): each buffer's handle counts its own holders, so that serving
+/// threads do not bounce one shared count between their caches twice a request.
+#[derive(Clone)]
+pub struct LaterLine(Arc<Held>);
+
+/// On a cache line of its own, like the buffers: its count is its threads' alone.
+#[repr(align(128))]
+struct Held {
+    lines: Arc<Lines>,
+    at: usize,
+    writer: Thread,
+}
+
+impl LaterLine {
+    /// Adds the request's line, as `AccessLog::write`.
+    pub fn write(&self, record: &Record) {
+        let Held { lines, at, writer } = &*self.0;
+        if lines.append(*at, record) {
+            writer.unpark();
+        }
+    }
 }
 
 impl Drop for Inner {
@@ -209,11 +240,22 @@ impl AccessLog {
             .name("guard-access-log".to_owned())
             .spawn(move || writer.run())
             .map_err(error)?;
+        let writer = thread.thread().clone();
+        let held = (0..lines.buffers.len())
+            .map(|at| {
+                LaterLine(Arc::new(Held {
+                    lines: Arc::clone(&lines),
+                    at,
+                    writer: writer.clone(),
+                }))
+            })
+            .collect();
         Ok(Self {
             inner: Some(Arc::new(Inner {
                 lines,
-                writer: thread.thread().clone(),
+                writer,
                 thread: Mutex::new(Some(thread)),
+                held,
             })),
         })
     }
@@ -222,12 +264,18 @@ impl AccessLog {
         self.inner.is_some()
     }
 
+    /// A handle for a line this thread writes later; None where the log is off.
+    pub fn later(&self) -> Option<LaterLine> {
+        let inner = self.inner.as_ref()?;
+        Some(inner.held[inner.lines.own_buffer()].clone())
+    }
+
     /// Adds the request's line; never waits for the disk. A full buffer drops it, counted.
     pub fn write(&self, record: &Record) {
         let Some(inner) = &self.inner else {
             return;
         };
-        if inner.lines.append(record) {
+        if inner.lines.append(inner.lines.own_buffer(), record) {
             inner.writer.unpark();
         }
     }
@@ -298,8 +346,9 @@ impl Writer {
             }
             if !spare.is_empty() {
                 write_lines(&mut self.out, spare, &self.lines.dropped);
+                let kept = (2 * spare.len()).max(KEPT_BYTES);
                 spare.clear();
-                spare.shrink_to(KEPT_BYTES);
+                spare.shrink_to(kept);
                 wrote = true;
             }
         }

@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 use super::request::{Shared, identity, method_and_path};
 use crate::{
-    access::{AccessLog, Identity, Record, RequestId, Word},
+    access::{Identity, LaterLine, Record, RequestId, Word},
     reap::registry::Connection,
 };
 
@@ -21,7 +21,7 @@ pub(super) struct Line {
     method: Word,
     path: String,
     started: Instant,
-    access: AccessLog,
+    log: LaterLine,
 }
 
 impl Line {
@@ -32,9 +32,7 @@ impl Line {
         method: &Method,
         uri: &Uri,
     ) -> Option<Self> {
-        if !shared.access.is_on() {
-            return None;
-        }
+        let log = shared.access.later()?;
         let (method, path) = method_and_path(method, uri);
         Some(Self {
             id: crate::access::request_id(),
@@ -43,7 +41,7 @@ impl Line {
             method,
             path,
             started: Instant::now(),
-            access: shared.access.clone(),
+            log,
         })
     }
 
@@ -54,8 +52,9 @@ impl Line {
 
     /// Writes the line: the answer's status, how it ended, and the bytes each way.
     pub(super) fn finish(self, end: End) {
+        let ended = Instant::now();
         let record = Record {
-            time: Some(jiff::Timestamp::now()),
+            time: Some(crate::access::clock::wall(ended.into_std())),
             id: self.id,
             client: Some(self.client),
             identity: self.identity,
@@ -66,10 +65,10 @@ impl Line {
             reason: end.reason.map(Into::into),
             bytes_in: end.bytes_in,
             bytes_out: end.bytes_out,
-            duration_ms: crate::access::millis(self.started.elapsed()),
+            duration_ms: crate::access::millis(ended.saturating_duration_since(self.started)),
             ..Record::default()
         };
-        self.access.write(&record);
+        self.log.write(&record);
     }
 }
 

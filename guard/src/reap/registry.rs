@@ -57,8 +57,10 @@ impl Connection {
     pub fn process(
         &self,
         look_up: impl FnOnce() -> Option<super::peer::Peer>,
-    ) -> Option<Arc<super::peer::Peer>> {
-        self.process.get_or_init(|| look_up().map(Arc::new)).clone()
+    ) -> Option<&Arc<super::peer::Peer>> {
+        self.process
+            .get_or_init(|| look_up().map(Arc::new))
+            .as_ref()
     }
 
     pub fn lingers(&self) -> bool {

@@ -11,7 +11,7 @@ use std::{
 
 use bytes::Bytes;
 use guard_tests::{
-    peers::{CpuTime, Load, Peer, Wrk, cpu_time},
+    peers::{CpuTime, Load, Peer, Wrk, cpu_run_time, cpu_time},
     servers::GuardProcess,
 };
 use http_body_util::{BodyExt as _, Full, combinators::BoxBody};
@@ -297,7 +297,7 @@ fn side_by_side<const N: usize>(
         duration,
         threads: 1,
     };
-    let before = targets.each_ref().map(|(pid, _)| cpu_time(*pid));
+    let before = targets.each_ref().map(|(pid, _)| cpu_run_time(*pid));
     let loads = std::thread::scope(|scope| {
         let running = targets
             .each_ref()
@@ -305,9 +305,9 @@ fn side_by_side<const N: usize>(
         running.map(|load| load.join().expect("wrk"))
     });
     std::array::from_fn(|i| {
-        let used = cpu_time(targets[i].0).since(before[i]);
+        let used = cpu_run_time(targets[i].0).saturating_sub(before[i]);
         assert_eq!(loads[i].errors, 0, "{path}: {:?}", loads[i]);
-        used.total().as_secs_f64() * 1e6 / loads[i].requests.max(1) as f64
+        used.as_secs_f64() * 1e6 / loads[i].requests.max(1) as f64
     })
 }
 

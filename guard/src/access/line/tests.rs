@@ -179,3 +179,36 @@ fn lines_within_one_second_keep_its_text_and_differ_in_the_fraction() {
         assert_eq!(our_line(&mut writer, &record), serde_line(&record));
     }
 }
+
+/// Milliseconds read off nanoseconds take the digits' own path: at the edges of its range
+/// (where the shortest form turns to an exponent, or would need 16 digits) and a step either
+/// side of each figure, what it writes is what serde_json writes.
+#[test]
+fn millisecond_figures_at_the_edges_of_the_digit_path_are_what_serde_json_writes() {
+    let nanos: [u64; 14] = [
+        0,
+        1,
+        9,
+        10,
+        11,
+        99,
+        999_999,
+        1_000_000,
+        1_000_001,
+        418_554,
+        123_456_789,
+        999_999_999_999_999,
+        1_000_000_000_000_000,
+        9_007_199_254_740_993,
+    ];
+    for value in nanos.map(|n| n as f64 / 1e6) {
+        let steps = [value, -value, f64::from_bits(value.to_bits() + 1)];
+        let below = (value > 0.0).then(|| f64::from_bits(value.to_bits() - 1));
+        for value in steps.into_iter().chain(below) {
+            let mut ours = Vec::new();
+            super::float(value, &mut ours);
+            let theirs = serde_json::to_string(&value).expect("serialize");
+            assert_eq!(String::from_utf8(ours).expect("utf-8"), theirs, "{value:e}");
+        }
+    }
+}

@@ -17,8 +17,9 @@ fn record(id: u64) -> Record {
     }
 }
 
-/// Lines from several threads, then the close: every line is in the file once, none dropped;
-/// a line after the close is counted, not written.
+/// Lines from several threads, half of them through handles taken for later lines, then the
+/// close: every line is in the file once, none dropped; a line after the close is counted,
+/// not written.
 #[test]
 fn close_writes_every_line_added_and_counts_one_added_after() {
     let dir = std::env::temp_dir().join(format!("guard-writer-{}", std::process::id()));
@@ -34,7 +35,11 @@ fn close_writes_every_line_added_and_counts_one_added_after() {
             let log = log.clone();
             scope.spawn(move || {
                 for n in 0..EACH {
-                    log.write(&record(thread * EACH + n));
+                    let record = record(thread * EACH + n);
+                    match (n % 2, log.later()) {
+                        (0, Some(later)) => later.write(&record),
+                        _ => log.write(&record),
+                    }
                 }
             });
         }
@@ -69,7 +74,7 @@ fn a_full_buffer_drops_and_counts_each_line_beyond_it() {
     };
     let taken = BUFFER_BYTES.div_ceil(one);
     for _ in 0..taken + 5 {
-        lines.append(&record(1));
+        lines.append(lines.own_buffer(), &record(1));
     }
     let held = lines
         .buffers

@@ -86,6 +86,7 @@ impl QueuedRequest {
         outcome: &Outcome,
         stage: Stage,
         elapsed: Duration,
+        ended: tokio::time::Instant,
     ) -> Record {
         let (words, reason, ended_at) = outcome.words();
         let usage = self.usage.unwrap_or_default();
@@ -94,7 +95,7 @@ impl QueuedRequest {
         let model = self.model.as_ref().map(|_| self.model_label());
         let account = &mut self.account;
         Record {
-            time: Some(jiff::Timestamp::now()),
+            time: Some(crate::access::clock::wall(ended.into_std())),
             id: account.id,
             client: Some(self.connection.peer),
             identity,

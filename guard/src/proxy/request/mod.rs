@@ -385,14 +385,15 @@ impl QueuedRequest {
         // The pace guard saw, for servers that do not say their own decode rate.
         let pace = self.place.permit().and_then(|p| p.progress().pace());
         self.free_upstream(outcome == Outcome::Completed);
-        let elapsed = self.arrived.elapsed();
+        let ended = Instant::now();
+        let elapsed = ended.saturating_duration_since(self.arrived);
         // Recorded before the client is told: whoever reads the metrics after the answer
         // ends finds it counted.
         let per_token = pace.map(|(_, per_token)| per_token);
         self.record(&outcome, stage, per_token, elapsed);
         self.tell_client(&outcome, answer);
         if self.shared.access.is_on() {
-            let line = self.access_record(&outcome, stage, elapsed);
+            let line = self.access_record(&outcome, stage, elapsed, ended);
             self.shared.access.write(&line);
         }
     }

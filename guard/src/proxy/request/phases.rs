@@ -91,7 +91,10 @@ fn detach(mut head: request::Parts) -> request::Parts {
 }
 
 /// The client's process, looked up once per connection (the eBPF record, else /proc).
-pub(super) fn client_process(shared: &Shared, connection: &Connection) -> Option<Arc<Peer>> {
+pub(super) fn client_process<'c>(
+    shared: &Shared,
+    connection: &'c Connection,
+) -> Option<&'c Arc<Peer>> {
     let tracker = shared.tracker.as_deref();
     connection.process(|| peer_of(tracker, connection.peer, connection.local))
 }
@@ -310,7 +313,7 @@ impl QueuedRequest {
     ) -> Result<String, ProxyError> {
         let settings = Arc::clone(&self.settings);
         let (proxy, connection) = (&*self.shared, &*self.connection);
-        let peer = || client_process(proxy, connection);
+        let peer = || client_process(proxy, connection).cloned();
         let classifier = &settings.classifier;
         let decision = classifier.classify(&RequestFacts {
             path: head.uri.path(),
