@@ -156,18 +156,10 @@ fn float(value: f64, out: &mut Vec<u8>) {
     if let Some(millionths) = millionths(value) {
         let mut digits = itoa::Buffer::new();
         out.extend_from_slice(digits.format(millionths / 1_000_000).as_bytes());
-        let fraction = (millionths % 1_000_000) as u32;
-        if fraction == 0 {
-            return out.extend_from_slice(b".0");
+        match millionths % 1_000_000 {
+            0 => out.extend_from_slice(b".0"),
+            fraction => decimals::<6>(fraction, out),
         }
-        let mut text = *b".000000";
-        let mut left = fraction;
-        for digit in text[1..].iter_mut().rev() {
-            *digit = b'0' + (left % 10) as u8;
-            left /= 10;
-        }
-        let end = text.iter().rposition(|d| *d != b'0').map_or(0, |at| at + 1);
-        out.extend_from_slice(&text[..end]);
     } else if value.is_finite() {
         out.extend_from_slice(zmij::Buffer::new().format_finite(value).as_bytes());
     } else {
@@ -175,7 +167,24 @@ fn float(value: f64, out: &mut Vec<u8>) {
     }
 }
 
-/// `value` as n millionths, where it is exactly the double nearest n / 10^6 and the shortest
+/// `.` and the N decimals of `fraction` (below 10^N, not 0), its trailing zeros left out.
+fn decimals<const N: usize>(fraction: u64, out: &mut Vec<u8>) {
+    let mut digits = [b'0'; N];
+    let mut left = fraction;
+    for digit in digits.iter_mut().rev() {
+        *digit = b'0' + (left % 10) as u8;
+        left /= 10;
+    }
+    let end = digits
+        .iter()
+        .rposition(|d| *d != b'0')
+        .map_or(0, |at| at + 1);
+    out.push(b'.');
+    out.extend_from_slice(&digits[..end]);
+}
+
+/// `value` as n millionths, where it is exactly the double nearest n / 10^6 (one n at most:
+/// below 10^9 a double's step is under 10^-6) and the shortest
 /// form writes it as that decimal: with at most 15 significant digits no other decimal as
 /// short names the same double (so n's digits are the shortest form), and from 10^-5 up to
 /// 10^16 that form is plain, not an exponent (0 is written `0.0`; -0 is left to zmij).
@@ -205,14 +214,15 @@ fn string(value: &str, out: &mut Vec<u8>) {
     }
 }
 
-/// `"ip:port"` as `SocketAddr`'s Display writes it; an IPv4 one from its numbers.
+/// `"ip:port"` as `SocketAddr`'s Display writes it; an IPv4 one from its numbers, any other
+/// (or none) by serde_json.
 fn client(client: Option<SocketAddr>, out: &mut Vec<u8>) {
     let Some(SocketAddr::V4(v4)) = client else {
-        let text = client.map(|client| client.to_string());
-        return match text {
-            Some(text) => string(&text, out),
-            None => out.extend_from_slice(b"null"),
-        };
+        if serde_json::to_writer(&mut *out, &client).is_err() {
+            // A write into a Vec does not fail.
+            out.extend_from_slice(b"null");
+        }
+        return;
     };
     let mut numbers = itoa::Buffer::new();
     out.push(b'"');
@@ -251,18 +261,7 @@ impl Clock {
         out.push(b'"');
         out.extend_from_slice(&self.text);
         if nanos > 0 {
-            let mut fraction = [b'0'; 10];
-            fraction[0] = b'.';
-            let mut left = nanos.unsigned_abs();
-            for digit in fraction[1..].iter_mut().rev() {
-                *digit = b'0' + (left % 10) as u8;
-                left /= 10;
-            }
-            let end = fraction
-                .iter()
-                .rposition(|d| *d != b'0')
-                .map_or(0, |at| at + 1);
-            out.extend_from_slice(&fraction[..end]);
+            decimals::<9>(nanos.unsigned_abs().into(), out);
         }
         out.extend_from_slice(b"Z\"");
     }

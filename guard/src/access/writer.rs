@@ -1,6 +1,6 @@
 //! The access log's writer. A request's line is serialized by the thread that concluded it,
-//! into that thread's buffer (one of a few, padded apart); a thread of the log's own takes the
-//! buffers every few milliseconds and writes them, so that a slow or full disk never delays a
+//! into that thread's buffer (one a serving thread, one for every other thread, padded
+//! apart); a thread of the log's own takes the buffers every 50 ms and writes them, so that a slow or full disk never delays a
 //! request, and no line crosses threads as a record. A line that finds its buffer full, or
 //! cannot be written, is counted, not waited for. `reopen` (SIGUSR1) opens the path anew, for
 //! logrotate.
@@ -11,7 +11,7 @@ use std::{
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex, MutexGuard, PoisonError,
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicBool, Ordering},
     },
     thread::{JoinHandle, Thread},
     time::Duration,
@@ -112,10 +112,8 @@ struct Lines {
 
 impl Lines {
     fn new(dropped: IntCounter) -> Self {
-        // Twice the CPUs: serving threads (one a CPU) each find a buffer of their own.
-        let count = std::thread::available_parallelism()
-            .map_or(4, |n| n.get() * 2)
-            .clamp(2, 64);
+        // A buffer a serving thread, and the last for every other thread.
+        let count = guard_net::workers::per_cpu_count() + 1;
         Self {
             buffers: (0..count).map(|_| Buffer::default()).collect(),
             idle: AtomicBool::new(false),
@@ -125,9 +123,10 @@ impl Lines {
         }
     }
 
-    /// The buffer of the calling thread.
+    /// The buffer of the calling thread: its serving thread's, else the last.
     fn own_buffer(&self) -> usize {
-        thread_number() % self.buffers.len()
+        let last = self.buffers.len() - 1;
+        guard_net::workers::current().map_or(last, |index| index.min(last))
     }
 
     /// Serializes `record` into buffer `at`; true where it is the buffer's first line and the
@@ -154,16 +153,6 @@ impl Lines {
             .iter()
             .all(|buffer| buffer.lock().text.is_empty())
     }
-}
-
-/// This thread's number: threads take them in turn, so that threads started together (the
-/// serving threads) fall on different buffers.
-fn thread_number() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static NUMBER: usize = NEXT.fetch_add(1, Ordering::Relaxed);
-    }
-    NUMBER.with(|number| *number)
 }
 
 /// The request path's end of the access log; cheap to clone.
@@ -272,11 +261,8 @@ impl AccessLog {
 
     /// Adds the request's line; never waits for the disk. A full buffer drops it, counted.
     pub fn write(&self, record: &Record) {
-        let Some(inner) = &self.inner else {
-            return;
-        };
-        if inner.lines.append(inner.lines.own_buffer(), record) {
-            inner.writer.unpark();
+        if let Some(inner) = &self.inner {
+            inner.held[inner.lines.own_buffer()].write(record);
         }
     }
 

@@ -17,9 +17,17 @@ fn record(id: u64) -> Record {
     }
 }
 
+/// The bytes `record(id)`'s line takes in a buffer, its newline with it.
+fn line_bytes() -> usize {
+    let mut text = Vec::new();
+    super::LineWriter::default().write(&record(1), &mut text);
+    text.len() + 1
+}
+
 /// Lines from several threads, half of them through handles taken for later lines, then the
 /// close: every line is in the file once, none dropped; a line after the close is counted,
-/// not written.
+/// not written. The threads are not serving threads: they share one buffer, which holds all
+/// their lines even if the writer takes none before the close.
 #[test]
 fn close_writes_every_line_added_and_counts_one_added_after() {
     let dir = std::env::temp_dir().join(format!("guard-writer-{}", std::process::id()));
@@ -29,13 +37,13 @@ fn close_writes_every_line_added_and_counts_one_added_after() {
     let dropped = dropped();
     let log = AccessLog::open(path.to_str().expect("utf-8"), dropped.clone()).expect("opens");
     const THREADS: u64 = 4;
-    const EACH: u64 = 2_500;
+    let each = (BUFFER_BYTES / line_bytes()) as u64 / THREADS;
     std::thread::scope(|scope| {
         for thread in 0..THREADS {
             let log = log.clone();
             scope.spawn(move || {
-                for n in 0..EACH {
-                    let record = record(thread * EACH + n);
+                for n in 0..each {
+                    let record = record(thread * each + n);
                     match (n % 2, log.later()) {
                         (0, Some(later)) => later.write(&record),
                         _ => log.write(&record),
@@ -52,10 +60,10 @@ fn close_writes_every_line_added_and_counts_one_added_after() {
         .map(|line| serde_json::from_str::<Record>(line).expect("a record").id.0)
         .collect();
     let _ = std::fs::remove_dir_all(&dir);
-    assert_eq!(ids.len() as u64, THREADS * EACH, "one line a request");
+    assert_eq!(ids.len() as u64, THREADS * each, "one line a request");
     assert_eq!(
         ids.iter().copied().collect::<BTreeSet<_>>(),
-        (0..THREADS * EACH).collect(),
+        (0..THREADS * each).collect(),
         "each request once"
     );
     assert_eq!(dropped.get(), 1, "only the line after the close");
@@ -67,11 +75,7 @@ fn close_writes_every_line_added_and_counts_one_added_after() {
 fn a_full_buffer_drops_and_counts_each_line_beyond_it() {
     let dropped = dropped();
     let lines = Lines::new(dropped.clone());
-    let one = {
-        let mut text = Vec::new();
-        super::LineWriter::default().write(&record(1), &mut text);
-        text.len() + 1
-    };
+    let one = line_bytes();
     let taken = BUFFER_BYTES.div_ceil(one);
     for _ in 0..taken + 5 {
         lines.append(lines.own_buffer(), &record(1));

@@ -85,9 +85,9 @@ impl QueuedRequest {
         &mut self,
         outcome: &Outcome,
         stage: Stage,
-        elapsed: Duration,
         ended: tokio::time::Instant,
     ) -> Record {
+        let elapsed = ended.saturating_duration_since(self.arrived);
         let (words, reason, ended_at) = outcome.words();
         let usage = self.usage.unwrap_or_default();
         let ms = crate::access::millis;

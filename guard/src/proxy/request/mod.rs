@@ -393,7 +393,7 @@ impl QueuedRequest {
         self.record(&outcome, stage, per_token, elapsed);
         self.tell_client(&outcome, answer);
         if self.shared.access.is_on() {
-            let line = self.access_record(&outcome, stage, elapsed, ended);
+            let line = self.access_record(&outcome, stage, ended);
             self.shared.access.write(&line);
         }
     }
