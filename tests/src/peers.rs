@@ -77,7 +77,7 @@ impl Peer {
                 (
                 "log_format line escape=json '{\"time\":\"$time_iso8601\",\"id\":\"$request_id\",\
                  \"client\":\"$remote_addr:$remote_port\",\"method\":\"$request_method\",\
-                 \"path\":\"$uri\",\"status\":$status,\"duration_ms\":$request_time,\
+                 \"path\":\"$uri\",\"status\":$status,\"duration_s\":$request_time,\
                  \"bytes_in\":$request_length,\"bytes_out\":$bytes_sent}';\n"
                     .to_owned(),
                 format!("access_log {} line buffer=64k flush=1s;\n", log.display()),
@@ -245,25 +245,33 @@ impl CpuTime {
     }
 }
 
+/// `pid`'s process and its child processes (nginx's workers); none where it is gone.
+fn family(pid: u32) -> Vec<procfs::process::Process> {
+    let open = |pid: u32| procfs::process::Process::new(i32::try_from(pid).ok()?).ok();
+    let Some(process) = open(pid) else {
+        return Vec::new();
+    };
+    let children: Vec<u32> = process
+        .tasks()
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|task| task.children().ok())
+        .flatten()
+        .collect();
+    std::iter::once(process)
+        .chain(children.into_iter().filter_map(open))
+        .collect()
+}
+
 /// The CPU time `pid` and its child processes (nginx's workers) have used, all threads.
 pub fn cpu_time(pid: u32) -> CpuTime {
-    let ticks = |pid: u32| -> Option<((u64, u64), Vec<u32>)> {
-        let process = procfs::process::Process::new(i32::try_from(pid).ok()?).ok()?;
-        let stat = process.stat().ok()?;
-        let children = process
-            .tasks()
-            .ok()?
-            .flatten()
-            .filter_map(|task| task.children().ok())
-            .flatten()
-            .collect();
-        Some(((stat.utime, stat.stime), children))
-    };
-    let ((mut user, mut system), children) = ticks(pid).unwrap_or_default();
-    for ((u, s), _) in children.into_iter().filter_map(ticks) {
-        user += u;
-        system += s;
-    }
+    let (user, system) = family(pid)
+        .iter()
+        .filter_map(|process| process.stat().ok())
+        .fold((0, 0), |(user, system), stat| {
+            (user + stat.utime, system + stat.stime)
+        });
     let seconds = |t: u64| Duration::from_secs_f64(t as f64 / procfs::ticks_per_second() as f64);
     CpuTime {
         user: seconds(user),
@@ -271,32 +279,20 @@ pub fn cpu_time(pid: u32) -> CpuTime {
     }
 }
 
-/// The time `pid` and its child processes have run on a CPU, all threads, to the
-/// nanosecond (the scheduler's own sum; `cpu_time`'s clock ticks are 10 ms apart, 1 % of a
-/// 3 s load at a quarter of a core).
+/// The CPU time `pid` and its child processes have used, all threads (those ended too), to
+/// the nanosecond: each process's CPU clock, where `cpu_time`'s clock ticks are 10 ms apart
+/// (1 % of a 3 s load at a quarter of a core).
 pub fn cpu_run_time(pid: u32) -> Duration {
-    let ran = |pid: u32| -> Option<(u64, Vec<u32>)> {
-        let process = procfs::process::Process::new(i32::try_from(pid).ok()?).ok()?;
-        let tasks: Vec<_> = process.tasks().ok()?.flatten().collect();
-        let nanos = tasks
-            .iter()
-            .filter_map(|task| task.schedstat().ok())
-            .map(|stat| stat.sum_exec_runtime)
-            .sum();
-        let children = tasks
-            .iter()
-            .filter_map(|task| task.children().ok())
-            .flatten()
-            .collect();
-        Some((nanos, children))
-    };
-    let (mut nanos, children) = ran(pid).unwrap_or_default();
-    nanos += children
-        .into_iter()
-        .filter_map(ran)
-        .map(|(n, _)| n)
-        .sum::<u64>();
-    Duration::from_nanos(nanos)
+    let processes = family(pid);
+    assert!(!processes.is_empty(), "process {pid} is gone");
+    processes
+        .iter()
+        .map(|process| {
+            let pid = nix::unistd::Pid::from_raw(process.pid);
+            let clock = nix::time::clock_getcpuclockid(pid).expect("a process's CPU clock");
+            Duration::from(nix::time::clock_gettime(clock).expect("read a CPU clock"))
+        })
+        .sum()
 }
 
 /// What one `wrk` run measured.
@@ -332,7 +328,10 @@ impl Wrk {
         body: &str,
         pause: Option<Duration>,
     ) -> Load {
-        let dir = TempDir::new(&format!("wrk-{}", free_addr().port()));
+        // Runs side by side each take a directory of their own.
+        static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = TempDir::new(&format!("wrk-{run}"));
         let script = dir.0.join("post.lua");
         let mut text = wrk_script(body);
         if let Some(pause) = pause {

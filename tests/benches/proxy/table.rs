@@ -87,6 +87,8 @@ fn bench_seconds() -> u64 {
 
 /// Rounds of `access_log_rows`, each path measured once a round.
 const ACCESS_ROUNDS: usize = 7;
+/// Each guard's (and nginx's) `wrk` clients.
+const ACCESS_CLIENTS: usize = 32;
 /// Each `wrk` connection rests this long after each answer (`Wrk::run_paced`).
 const ACCESS_PAUSE: Duration = Duration::from_millis(2);
 /// The rows of the access log's cost; its goal is read from the paired one.
@@ -104,7 +106,7 @@ pub async fn access() {
     let rows = access_log_rows(fixed.addr, Duration::from_secs(seconds));
     println!(
         "the access log's cost (guards side by side, each under a wrk of its own for {seconds} s, \
-         32 clients resting {} ms between requests; medians of {ACCESS_ROUNDS} rounds; queued, \
+         {ACCESS_CLIENTS} clients resting {} ms between requests; medians of {ACCESS_ROUNDS} rounds; queued, \
          pass; nginx in the pass column):",
         ACCESS_PAUSE.as_millis()
     );
@@ -293,7 +295,7 @@ fn side_by_side<const N: usize>(
     duration: Duration,
 ) -> [f64; N] {
     let wrk = Wrk {
-        connections: 32,
+        connections: ACCESS_CLIENTS,
         duration,
         threads: 1,
     };
