@@ -1,9 +1,9 @@
 //! The access log's writer. A request's line is serialized by the thread that concluded it,
 //! into that thread's buffer (one a serving thread, one for every other thread, padded
-//! apart); a thread of the log's own takes the buffers every 50 ms and writes them, so that a slow or full disk never delays a
-//! request, and no line crosses threads as a record. A line that finds its buffer full, or
-//! cannot be written, is counted, not waited for. `reopen` (SIGUSR1) opens the path anew, for
-//! logrotate.
+//! apart); a thread of the log's own takes the buffers every 50 ms and writes them, so that a
+//! slow or full disk never delays a request, and no line crosses threads as a record. A line
+//! that finds its buffer full, or cannot be written, is counted, not waited for. `reopen`
+//! (SIGUSR1) opens the path anew, for logrotate.
 
 use std::{
     fs::{File, OpenOptions},
