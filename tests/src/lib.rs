@@ -255,29 +255,21 @@ pub async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
     LOCK.lock().await
 }
 
+/// A process, for reading its /proc files.
+fn process(pid: u32) -> procfs::process::Process {
+    procfs::process::Process::new(i32::try_from(pid).expect("a pid")).expect("the process")
+}
+
 /// CPU seconds (user + system) a process has used, from /proc/PID/stat.
 pub fn process_cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .expect("comm")
-        .1
-        .split_whitespace()
-        .collect();
-    let ticks: f64 =
-        fields[11].parse::<f64>().expect("utime") + fields[12].parse::<f64>().expect("stime");
-    ticks / 100.0
+    let stat = process(pid).stat().expect("stat");
+    (stat.utime + stat.stime) as f64 / procfs::ticks_per_second() as f64
 }
 
 /// Resident memory of a process, from /proc/PID/status.
 pub fn rss_bytes(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-        .expect("VmRSS")
+    let status = process(pid).status().expect("status");
+    status.vmrss.expect("VmRSS") * 1024
 }
 
 /// Which parts of a benchmark its command line asks for (`cargo xtask bench NAME PART...`):
