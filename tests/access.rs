@@ -1,6 +1,6 @@
-//! The access log end to end: one line per request, queued or passed through, its tokens the
-//! server's own, nothing of the conversation or the token in it; a rotation loses and repeats
-//! nothing; a full disk never stops serving.
+//! The access log end to end: one line per request, queued, passed through or refused by hyper
+//! itself, its tokens the server's own, nothing of the conversation or the token in it; a
+//! rotation loses and repeats nothing; a full disk never stops serving.
 
 use std::path::Path;
 
@@ -205,6 +205,77 @@ async fn assert_outcomes_as_metrics(guard: &GuardProcess, lines: &[Record]) {
     let passed = lines.iter().filter(|l| l.outcome == "passed").count();
     let counted = guard_tests::metric(&metrics, "guard_passthrough_requests_total{code=\"200\"}");
     assert_eq!(Some(passed as f64), counted);
+}
+
+/// Heads hyper refuses and answers itself (a method no token allows, bytes that are not a URI,
+/// a head over the 32 KiB buffer, garbage after a good request on one connection): one line
+/// each, with hyper's status, counted as `/metrics` counts them. An HTTP/2 preface, which hyper
+/// closes without a word, is no request and has no line.
+#[tokio::test(flavor = "multi_thread")]
+async fn heads_hyper_refuses_are_one_line_each() {
+    let _serial = serial().await;
+    let dir = TempDir::new("guard-access-heads");
+    let log = dir.0.join("access.log");
+    let upstream = Upstream::start().await;
+    let guard = GuardProcess::start(upstream.addr(), "ollama", &config(&log));
+    let huge = format!(
+        "GET /api/tags HTTP/1.1\r\nhost: x\r\nx-filler: {}\r\n\r\n",
+        "y".repeat(40 << 10)
+    );
+    let sent: [(&[u8], &[&str]); 5] = [
+        (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", &[]),
+        (b"FOO\"BAR /api/tags HTTP/1.1\r\nhost: x\r\n\r\n", &["400"]),
+        (
+            b"GET /api/t\xc3\x28gs HTTP/1.1\r\nhost: x\r\n\r\n",
+            &["400"],
+        ),
+        (huge.as_bytes(), &["431"]),
+        (
+            b"GET /api/tags HTTP/1.1\r\nhost: x\r\n\r\nGARBAGE\r\n\r\n",
+            &["200", "400"],
+        ),
+    ];
+    for (bytes, statuses) in sent {
+        let answer = http::raw(guard.listen, bytes).await;
+        let seen: Vec<&str> = answer
+            .split("HTTP/1.1 ")
+            .skip(1)
+            .filter_map(|a| a.get(..3))
+            .collect();
+        assert_eq!(seen, statuses, "{answer:.200}");
+    }
+    // Counted before each connection closed, in the function that writes the line.
+    let metrics = guard.metrics_text().await;
+    let m = |reason: &str| {
+        let series = format!("guard_invalid_requests_total{{reason=\"{reason}\"}}");
+        guard_tests::metric(&metrics, &series).unwrap_or(0.0)
+    };
+    assert_eq!((m("malformed_head"), m("head_too_large")), (3.0, 1.0));
+    let lines = records(&log, 5).await;
+    let mut refused: Vec<(u16, &str, &str, &str)> = lines
+        .iter()
+        .filter(|l| l.outcome == "invalid")
+        .map(|l| {
+            let reason = l.reason.as_deref().unwrap_or_default();
+            (l.status, reason, &*l.method, l.path.as_str())
+        })
+        .collect();
+    refused.sort_unstable();
+    let malformed = (400, "malformed_head", "", "");
+    assert_eq!(
+        refused,
+        [
+            malformed,
+            malformed,
+            malformed,
+            (431, "head_too_large", "", "")
+        ]
+    );
+    assert_eq!(
+        lines.len(),
+        5,
+        "the good request's line besides: {lines:#?}"
+    );
 }
 
 /// `mv` then SIGUSR1 (what logrotate does): every line is in one of the two files, once.

@@ -210,7 +210,7 @@ impl Metrics {
             ),
             invalid_requests_total: Family::counter(
                 "guard_invalid_requests_total",
-                "Requests refused before queueing and never forwarded: bad_path, framing, method, body_too_large, unknown_class, body_read, body_read_timeout.",
+                "Requests refused before queueing and never forwarded: bad_path, framing, method, body_too_large, unknown_class, body_read, body_read_timeout; malformed_head and head_too_large, which hyper answers itself.",
             ),
             model_cold_loads_total: Family::counter(
                 "guard_model_cold_loads_total",

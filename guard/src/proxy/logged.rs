@@ -1,5 +1,6 @@
 //! Access log lines for the requests that have no owner: those passed through, and those
-//! refused before any owner existed (a bad path, framing, a method guard does not pass on).
+//! refused before any owner existed (a bad path, framing, a method guard does not pass on, a
+//! head hyper could not read).
 
 use std::{net::SocketAddr, sync::Arc};
 
@@ -34,7 +35,29 @@ impl Line {
     ) -> Option<Self> {
         let log = shared.access.later()?;
         let (method, path) = method_and_path(method, uri);
-        Some(Self {
+        Some(Self::new(shared, connection, method, path, log))
+    }
+
+    /// A line for a request head hyper could not read: no method or path (both empty).
+    pub(super) fn unread(shared: &Shared, connection: &Arc<Connection>) -> Option<Self> {
+        let log = shared.access.later()?;
+        Some(Self::new(
+            shared,
+            connection,
+            Word::Borrowed(""),
+            String::new(),
+            log,
+        ))
+    }
+
+    fn new(
+        shared: &Shared,
+        connection: &Arc<Connection>,
+        method: Word,
+        path: String,
+        log: LaterLine,
+    ) -> Self {
+        Self {
             id: crate::access::request_id(),
             client: connection.peer,
             identity: identity(shared, connection, None),
@@ -42,7 +65,7 @@ impl Line {
             path,
             started: Instant::now(),
             log,
-        })
+        }
     }
 
     /// Adds `X-Guard-Request-Id` to the answer.

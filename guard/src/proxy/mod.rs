@@ -257,6 +257,32 @@ impl Proxy {
     }
 }
 
+/// A request head hyper refused and answered itself (400, or 431 over the read buffer): counted
+/// and logged, with no method or path (they were never read). Nothing for an HTTP/2 preface,
+/// which hyper closes without a word. (A fault inside hyper's parser, which it asks to have
+/// reported and does not answer, counts as malformed: its public error cannot tell them apart.)
+fn unread_head(proxy: &Proxy, error: &hyper::Error, connection: &Arc<Connection>) {
+    if !error.is_parse() || error.is_parse_version_h2() || error.is_parse_status() {
+        return;
+    }
+    // A URI too long for 414 (64 KiB) cannot fit in the read buffer: over it, hyper says 431.
+    let (status, reason) = if error.is_parse_too_large() {
+        (431, Invalid::HeadTooLarge)
+    } else {
+        (400, Invalid::MalformedHead)
+    };
+    outcome::invalid(&proxy.queued.metrics, reason.as_str());
+    if let Some(line) = Line::unread(&proxy.queued, connection) {
+        line.finish(End {
+            status,
+            outcome: "invalid",
+            reason: Some(reason.as_str()),
+            bytes_in: 0,
+            bytes_out: 0,
+        });
+    }
+}
+
 /// Whether a request is queued, passed through, or refused here: a method guard never passes
 /// on, a length two parties could read two ways, a path the upstream cannot decode.
 fn sort(request: &Request<Inbound>, settings: &Settings) -> Result<bool, (Invalid, ProxyError)> {

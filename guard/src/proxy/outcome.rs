@@ -46,6 +46,10 @@ pub enum Invalid {
     BodyRead,
     /// A method guard never passes on (`CONNECT`, `TRACE`).
     Method,
+    /// A request head hyper could not read, which it answers 400 itself.
+    MalformedHead,
+    /// A request head over the connection's read buffer, which hyper answers 431 itself.
+    HeadTooLarge,
 }
 
 impl Invalid {
@@ -57,6 +61,8 @@ impl Invalid {
             Self::UnknownClass => "unknown_class",
             Self::BodyRead => "body_read",
             Self::Method => "method",
+            Self::MalformedHead => "malformed_head",
+            Self::HeadTooLarge => "head_too_large",
         }
     }
 }

@@ -298,7 +298,7 @@ impl Session<'_> {
                 Pin::new(&mut *hyper).graceful_shutdown();
             }
             if let Poll::Ready(result) = Pin::new(&mut *hyper).poll(cx) {
-                return Poll::Ready(ended(result, self.connection));
+                return Poll::Ready(ended(result, self.proxy, self.connection));
             }
             if !self.activity.has_heads() && first_head.as_mut().poll(cx).is_ready() {
                 // As hyper does at its own header timeout: closed without an answer.
@@ -314,7 +314,7 @@ impl Session<'_> {
             Pin::new(&mut *hyper).graceful_shutdown();
             match Pin::new(&mut *hyper).poll(cx) {
                 Poll::Ready(Ok(())) => Poll::Ready(true),
-                Poll::Ready(result) => Poll::Ready(ended(result, self.connection)),
+                Poll::Ready(result) => Poll::Ready(ended(result, self.proxy, self.connection)),
                 Poll::Pending => {
                     // hyper was not idle after all: it ends the connection after this
                     // exchange, and closes the socket as it always does.
@@ -396,9 +396,11 @@ fn builder(head_within: Duration, half_close_means_gone: bool) -> http1::Builder
     builder
 }
 
-/// The connection is over; hyper's error, if any, is logged.
-fn ended(result: hyper::Result<()>, connection: &Connection) -> bool {
+/// The connection is over; hyper's error, if any, is logged (a head it refused, also counted
+/// and written to the access log).
+fn ended(result: hyper::Result<()>, proxy: &Proxy, connection: &Arc<Connection>) -> bool {
     if let Err(err) = result {
+        super::unread_head(proxy, &err, connection);
         let error = crate::error_chain(&err);
         tracing::debug!(peer = %connection.peer, %error, "client connection ended with an error");
     }
