@@ -320,23 +320,40 @@ pub fn read(path: &Path, query: &Query) -> Result<Ledger, UsageError> {
     })
 }
 
+/// The longest line read as a record: guard's lines are a few KiB at most (every field is
+/// bounded); a longer one (a file that is not a log, zeros a crash left) is skipped unread.
+const MAX_LINE: usize = 64 << 10;
+
+/// Reads the next line of `input` into `line` (cleared first), holding at most `MAX_LINE` + 1
+/// bytes of it; a longer line's rest is passed over. None at the end of the input, else
+/// whether the line is whole.
+fn next_line(input: &mut impl BufRead, line: &mut Vec<u8>) -> io::Result<Option<bool>> {
+    line.clear();
+    let limit = MAX_LINE as u64 + 1;
+    if io::Read::take(&mut *input, limit).read_until(b'\n', line)? == 0 {
+        return Ok(None);
+    }
+    if line.len() <= MAX_LINE || line.ends_with(b"\n") {
+        return Ok(Some(true));
+    }
+    input.skip_until(b'\n')?;
+    Ok(Some(false))
+}
+
 /// Sums the records of `input` (one JSON object a line) that `query` keeps; blank lines are
-/// passed over, and lines that are not records counted.
+/// passed over, and lines that are not records (or are too long to be) counted.
 pub fn aggregate(mut input: impl BufRead, query: &Query) -> io::Result<Ledger> {
     let mut rows: BTreeMap<String, Sum> = BTreeMap::new();
     let mut total = Sum::default();
     let mut skipped = 0;
     // Bytes, not `lines()`: a line that is not UTF-8 is one more line skipped, not an error.
     let mut line = Vec::new();
-    loop {
-        line.clear();
-        if input.read_until(b'\n', &mut line)? == 0 {
-            break;
-        }
-        if line.trim_ascii().is_empty() {
+    while let Some(whole) = next_line(&mut input, &mut line)? {
+        if whole && line.trim_ascii().is_empty() {
             continue;
         }
-        let Ok(record) = serde_json::from_slice::<Record>(&line) else {
+        let record = whole.then(|| serde_json::from_slice::<Record>(&line));
+        let Some(Ok(record)) = record else {
             skipped += 1;
             continue;
         };
@@ -483,6 +500,8 @@ fn milliseconds(ms: f64) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::io::Read as _;
+
     use super::*;
     use guard::access::{Identity, Tokens};
 
@@ -704,6 +723,30 @@ mod tests {
         let ledger = ledger_of("skipped", &lines, By::Unit, "all");
         assert_eq!(ledger.skipped, 3);
         assert_eq!(keys(&ledger), [("a", 2)]);
+    }
+
+    #[test]
+    fn a_line_too_long_to_be_a_record_is_skipped_unheld() {
+        let record = lines(&[record(1, Some("a"))]).concat();
+        // 64 MiB without a newline (zeros a crash left), then a record.
+        let zeros = io::repeat(0).take(1 << 26);
+        let rest = format!("\n{record}");
+        let mut input = io::BufReader::new(zeros.chain(rest.as_bytes()));
+        let mut line = Vec::new();
+        assert_eq!(next_line(&mut input, &mut line).expect("read"), Some(false));
+        assert_eq!(line.len(), MAX_LINE + 1, "held no more than the bound");
+        assert_eq!(next_line(&mut input, &mut line).expect("read"), Some(true));
+        assert_eq!(line, record.as_bytes(), "the next line is whole");
+        let input = io::repeat(b'x')
+            .take(MAX_LINE as u64 * 3)
+            .chain(rest.as_bytes());
+        let query = Query {
+            by: By::Unit,
+            since: Since::All,
+            now: now(),
+        };
+        let ledger = aggregate(io::BufReader::new(input), &query).expect("read");
+        assert_eq!((ledger.skipped, keys(&ledger)), (1, vec![("a", 1)]));
     }
 
     #[test]
