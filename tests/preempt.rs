@@ -84,24 +84,18 @@ fn p95(mut samples: Vec<Duration>) -> Duration {
     samples[(samples.len() * 95).div_ceil(100) - 1]
 }
 
-/// Twenty interactive chats' times to first byte while the batch flood is on (asserted after
-/// the last). Twenty: the nearest-rank p95 is then the second slowest, so one chat that met a
-/// resumed job's prompt read (the server cannot stop within a prompt batch) on a loaded
-/// machine is not the figure.
+/// Interactive chats' times to first byte while the batch flood is on: up to twenty, each
+/// begun while a batch job runs, and at least eight. Twenty where the flood lasts (it does on
+/// two cores): the nearest-rank p95 is then the second slowest, so one chat that met a resumed
+/// job's prompt read (the server cannot stop within a prompt batch) on a loaded machine is not
+/// the figure.
 async fn ttft_during_the_flood(guard: &GuardProcess) -> Vec<Duration> {
     let mut busy = Vec::new();
-    for _ in 0..20 {
+    while busy.len() < 20 && guard.metric("guard_inflight{class=\"batch\"}").await >= 1.0 {
         busy.push(interactive_ttft(guard.listen).await);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let flooded = guard_tests::metric(
-        &guard.metrics_text().await,
-        "guard_inflight{class=\"batch\"}",
-    );
-    assert!(
-        flooded.is_some_and(|n| n >= 1.0),
-        "the flood outlasted the samples"
-    );
+    assert!(busy.len() >= 8, "the flood outlasted {} chats", busy.len());
     busy
 }
 

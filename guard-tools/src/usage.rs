@@ -750,6 +750,32 @@ mod tests {
     }
 
     #[test]
+    fn a_line_of_the_longest_length_is_whole() {
+        let longest = "x".repeat(MAX_LINE);
+        let next = |input: &mut &[u8], line: &mut Vec<u8>| {
+            let whole = next_line(input, line).expect("read");
+            (whole, line.len())
+        };
+        let mut line = Vec::new();
+        let text = format!("{longest}\n{longest}x\nshort\n{longest}");
+        let mut input = text.as_bytes();
+        assert_eq!(next(&mut input, &mut line), (Some(true), MAX_LINE + 1));
+        assert_eq!(next(&mut input, &mut line), (Some(false), MAX_LINE + 1));
+        assert_eq!(
+            next(&mut input, &mut line),
+            (Some(true), 6),
+            "the next line whole"
+        );
+        // The last line, without a newline.
+        assert_eq!(next(&mut input, &mut line), (Some(true), MAX_LINE));
+        assert_eq!(next(&mut input, &mut line), (None, 0));
+        // One byte over, last and without a newline.
+        let text = format!("{longest}x");
+        let mut input = text.as_bytes();
+        assert_eq!(next(&mut input, &mut line), (Some(false), MAX_LINE + 1));
+    }
+
+    #[test]
     fn a_missing_log_names_its_path() {
         let path = Path::new("/nonexistent/guard/access.log");
         let query = Query {

@@ -123,6 +123,7 @@ impl Proxy {
         for class in config.class.keys() {
             outcome::init_class(&parts.metrics, class);
         }
+        outcome::init_invalid(&parts.metrics);
         parts
             .connections
             .set_half_close_means_gone(config.server.half_close_means_gone);
@@ -257,7 +258,7 @@ impl Proxy {
     }
 }
 
-/// A request head hyper refused and answered itself (400, or 431 over the read buffer): counted
+/// A request head hyper refused and answered itself (400, or 431 where too large): counted
 /// and logged, with no method or path (they were never read). Nothing for an HTTP/2 preface,
 /// which hyper closes without a word. (A fault inside hyper's parser, which it asks to have
 /// reported and does not answer, counts as malformed: its public error cannot tell them apart.)
@@ -265,7 +266,8 @@ fn unread_head(proxy: &Proxy, error: &hyper::Error, connection: &Arc<Connection>
     if !error.is_parse() || error.is_parse_version_h2() || error.is_parse_status() {
         return;
     }
-    // A URI too long for 414 (64 KiB) cannot fit in the read buffer: over it, hyper says 431.
+    // Too large is 431: a URI too long for 414 (64 KiB) cannot fit in the read buffer
+    // (asserted beside `serve::READ_BUFFER`).
     let (status, reason) = if error.is_parse_too_large() {
         (431, Invalid::HeadTooLarge)
     } else {

@@ -46,13 +46,26 @@ pub enum Invalid {
     BodyRead,
     /// A method guard never passes on (`CONNECT`, `TRACE`).
     Method,
-    /// A request head hyper could not read, which it answers 400 itself.
+    /// A request head hyper refuses to read (a method, URI, header or length it cannot take),
+    /// which it answers 400 itself.
     MalformedHead,
-    /// A request head over the connection's read buffer, which hyper answers 431 itself.
+    /// A request head hyper judges too large (over the connection's read buffer, or over 100
+    /// header fields), which it answers 431 itself.
     HeadTooLarge,
 }
 
 impl Invalid {
+    pub const ALL: [Self; 8] = [
+        Self::BadPath,
+        Self::Framing,
+        Self::BodyTooLarge,
+        Self::UnknownClass,
+        Self::BodyRead,
+        Self::Method,
+        Self::MalformedHead,
+        Self::HeadTooLarge,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::BadPath => "bad_path",
@@ -417,6 +430,14 @@ impl Outcome {
 }
 
 /// A request refused before it had an owner (a bad path, framing, a method).
+/// Makes every `guard_invalid_requests_total` series exist at zero (its reasons have no class).
+pub fn init_invalid(metrics: &Metrics) {
+    let reasons = Invalid::ALL.map(Invalid::as_str);
+    for reason in reasons.into_iter().chain(["body_read_timeout"]) {
+        metrics.invalid_requests_total.of(&Reason { reason });
+    }
+}
+
 pub fn invalid(metrics: &Metrics, reason: &str) {
     metrics.invalid_requests_total.of(&Reason { reason }).inc();
 }

@@ -33,6 +33,9 @@ use crate::{
 
 /// hyper's buffer limit for a client connection (its default is 400 KiB).
 const READ_BUFFER: usize = 32 << 10;
+// hyper answers a URI over 65,534 bytes 414, any other head too large 431: `unread_head` counts
+// every head too large as 431, true while no such URI fits in the buffer.
+const _: () = assert!(READ_BUFFER < 65_534);
 
 /// Accepts connections until `shutdown` turns true, then waits for open connections to
 /// finish their current request, at most `grace`. More than `server.max_connections` at once
