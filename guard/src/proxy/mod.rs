@@ -224,6 +224,34 @@ impl Proxy {
         Box::pin(self.passthrough.handle(limit, request, shape, line)).await
     }
 
+    /// A request head hyper refused and answered itself (400, or 431 where too large):
+    /// counted and logged, with no method or path (they were never read). Nothing for an
+    /// HTTP/2 preface, which hyper closes without a word. (A fault inside hyper's parser,
+    /// which it asks to have reported and does not answer, counts as malformed: its public
+    /// error cannot tell them apart.)
+    pub(super) fn unread_head(&self, error: &hyper::Error, connection: &Arc<Connection>) {
+        if !error.is_parse() || error.is_parse_version_h2() || error.is_parse_status() {
+            return;
+        }
+        // Too large is 431: a URI too long for 414 (64 KiB) cannot fit in the read buffer
+        // (asserted beside `serve::READ_BUFFER`).
+        let (status, reason) = if error.is_parse_too_large() {
+            (431, Invalid::HeadTooLarge)
+        } else {
+            (400, Invalid::MalformedHead)
+        };
+        outcome::invalid(&self.queued.metrics, reason.as_str());
+        if let Some(line) = Line::unread(&self.queued, connection) {
+            line.finish(End {
+                status,
+                outcome: "invalid",
+                reason: Some(reason.as_str()),
+                bytes_in: 0,
+                bytes_out: 0,
+            });
+        }
+    }
+
     /// Refused before anything else: 400 (405 for a method), and the connection closes after
     /// it (a body, if any, unread).
     fn bad_request(
@@ -255,33 +283,6 @@ impl Proxy {
             });
         }
         response
-    }
-}
-
-/// A request head hyper refused and answered itself (400, or 431 where too large): counted
-/// and logged, with no method or path (they were never read). Nothing for an HTTP/2 preface,
-/// which hyper closes without a word. (A fault inside hyper's parser, which it asks to have
-/// reported and does not answer, counts as malformed: its public error cannot tell them apart.)
-fn unread_head(proxy: &Proxy, error: &hyper::Error, connection: &Arc<Connection>) {
-    if !error.is_parse() || error.is_parse_version_h2() || error.is_parse_status() {
-        return;
-    }
-    // Too large is 431: a URI too long for 414 (64 KiB) cannot fit in the read buffer
-    // (asserted beside `serve::READ_BUFFER`).
-    let (status, reason) = if error.is_parse_too_large() {
-        (431, Invalid::HeadTooLarge)
-    } else {
-        (400, Invalid::MalformedHead)
-    };
-    outcome::invalid(&proxy.queued.metrics, reason.as_str());
-    if let Some(line) = Line::unread(&proxy.queued, connection) {
-        line.finish(End {
-            status,
-            outcome: "invalid",
-            reason: Some(reason.as_str()),
-            bytes_in: 0,
-            bytes_out: 0,
-        });
     }
 }
 

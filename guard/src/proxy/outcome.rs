@@ -54,6 +54,10 @@ pub enum Invalid {
     HeadTooLarge,
 }
 
+/// The invalid reason of a body that did not arrive in time: a timeout, refused as bad input
+/// (no class, no queue), so not an `Invalid` of its own.
+const BODY_READ_TIMEOUT: &str = "body_read_timeout";
+
 impl Invalid {
     pub const ALL: [Self; 8] = [
         Self::BadPath,
@@ -340,7 +344,7 @@ impl Outcome {
             Self::TimedOut {
                 which: Timeout::BodyRead,
                 ..
-            } => ("invalid", Some("body_read_timeout"), None),
+            } => ("invalid", Some(BODY_READ_TIMEOUT), None),
             Self::Refused { .. } => ("refused", Some("remote_model"), None),
             Self::Rejected { reason, stage } => {
                 ("rejected", Some(reason.as_str()), Some(stage.as_str()))
@@ -378,7 +382,7 @@ impl Outcome {
             Self::TimedOut {
                 which: Timeout::BodyRead,
                 ..
-            } => invalid(metrics, "body_read_timeout"),
+            } => invalid(metrics, BODY_READ_TIMEOUT),
             Self::Refused { class, model } => metrics
                 .remote_refused_total
                 .of(&ClassModel { class, model })
@@ -429,15 +433,15 @@ impl Outcome {
     }
 }
 
-/// A request refused before it had an owner (a bad path, framing, a method).
 /// Makes every `guard_invalid_requests_total` series exist at zero (its reasons have no class).
 pub fn init_invalid(metrics: &Metrics) {
     let reasons = Invalid::ALL.map(Invalid::as_str);
-    for reason in reasons.into_iter().chain(["body_read_timeout"]) {
+    for reason in reasons.into_iter().chain([BODY_READ_TIMEOUT]) {
         metrics.invalid_requests_total.of(&Reason { reason });
     }
 }
 
+/// A request refused before it had an owner (a bad path, framing, a method).
 pub fn invalid(metrics: &Metrics, reason: &str) {
     metrics.invalid_requests_total.of(&Reason { reason }).inc();
 }

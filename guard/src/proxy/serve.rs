@@ -403,7 +403,7 @@ fn builder(head_within: Duration, half_close_means_gone: bool) -> http1::Builder
 /// and written to the access log).
 fn ended(result: hyper::Result<()>, proxy: &Proxy, connection: &Arc<Connection>) -> bool {
     if let Err(err) = result {
-        super::unread_head(proxy, &err, connection);
+        proxy.unread_head(&err, connection);
         let error = crate::error_chain(&err);
         tracing::debug!(peer = %connection.peer, %error, "client connection ended with an error");
     }
