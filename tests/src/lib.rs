@@ -214,11 +214,39 @@ pub fn exposure_tenths(report: &str) -> Option<u32> {
     Some(whole.parse::<u32>().ok()? * 10 + tenth)
 }
 
-/// A loopback address with a port that was free a moment ago.
+/// A loopback address with a port that was free a moment ago, below the kernel's ephemeral
+/// range: a port from that range, once freed, may be handed to any socket's `bind(0)` or
+/// outgoing connection (HAProxy's checks, a client's) before the server a test starts binds
+/// it. Each call in a process takes the next port; processes start apart.
 pub fn free_addr() -> std::net::SocketAddr {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let low = FIXED_PORTS_FROM;
+    let span = ephemeral_low().saturating_sub(low);
+    let start = std::process::id().wrapping_mul(7_919);
+    for _ in 0..span {
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let port = u16::try_from(low + start.wrapping_add(n) % span).expect("a port");
+        if let Ok(addr) =
+            std::net::TcpListener::bind(("127.0.0.1", port)).and_then(|l| l.local_addr())
+        {
+            return addr;
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("bind an ephemeral port")
+}
+
+/// The lowest port `free_addr` hands out: above the well-known and most registered ones.
+const FIXED_PORTS_FROM: u32 = 10_000;
+
+/// The first port of the kernel's ephemeral range (`ip_local_port_range`), 32768 where it
+/// cannot be read.
+fn ephemeral_low() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
 }
 
 /// A temporary directory removed on drop.

@@ -311,8 +311,7 @@ impl GuardProcess {
         // that names its own `server.listen` keeps it (`listen` is then its first address).
         let mut config: toml::Table = extra.parse().expect("the test's config is TOML");
         let listen = own_listen(&config).unwrap_or_else(free_addr);
-        // Two ports asked for one after the other may be the same one, freed and handed out
-        // again: ask until they differ.
+        // `free_addr` hands each port once, but a test's own listen may be any port.
         let metrics = std::iter::repeat_with(free_addr)
             .find(|addr| *addr != listen)
             .expect("a second free port");
