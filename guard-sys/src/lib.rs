@@ -2,5 +2,6 @@
 //! wrapper with the reason it holds. Every other crate of guard forbids `unsafe`.
 
 pub mod alloc;
+pub mod cache;
 pub mod fd;
 pub mod process;
