@@ -8,7 +8,7 @@ use std::process::Command;
 
 use guard_testkit::{Mode, Script, Upstream};
 use guard_tests::{
-    TempDir, free_addr, guard_bin,
+    TempDir, free_addr, free_addr_on, guard_bin,
     http::{Answers, get},
     metric, require_root,
     scripted::{hang_then_leave, post_script},
@@ -97,18 +97,14 @@ fn bad_config_exits_64_naming_file_line_and_key() {
     );
 }
 
-/// A port free on IPv6's loopback now.
-fn free_v6_addr() -> std::net::SocketAddr {
-    std::net::TcpListener::bind("[::1]:0")
-        .and_then(|listener| listener.local_addr())
-        .expect("IPv6 loopback (the test needs ::1 up)")
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn each_listen_address_serves_and_its_departed_clients_are_reaped() {
     require_root();
     let upstream = Upstream::start().await;
-    let (v4, v6) = (free_addr(), free_v6_addr());
+    let (v4, v6) = (
+        free_addr(),
+        free_addr_on(std::net::Ipv6Addr::LOCALHOST.into()),
+    );
     let extra = format!("[server]\nlisten = [\"{v4}\", \"{v6}\"]\n");
     let guard = GuardProcess::start(upstream.addr(), "openai", &extra);
     assert_eq!(guard.listen, v4);

@@ -219,6 +219,11 @@ pub fn exposure_tenths(report: &str) -> Option<u32> {
 /// outgoing connection (HAProxy's checks, a client's) before the server a test starts binds
 /// it. Each call in a process takes the next port; processes start apart.
 pub fn free_addr() -> std::net::SocketAddr {
+    free_addr_on(std::net::Ipv4Addr::LOCALHOST.into())
+}
+
+/// As `free_addr`, on `ip` (IPv6's loopback, say).
+pub fn free_addr_on(ip: std::net::IpAddr) -> std::net::SocketAddr {
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let low = FIXED_PORTS_FROM;
     let span = ephemeral_low().saturating_sub(low);
@@ -226,15 +231,13 @@ pub fn free_addr() -> std::net::SocketAddr {
     for _ in 0..span {
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let port = u16::try_from(low + start.wrapping_add(n) % span).expect("a port");
-        if let Ok(addr) =
-            std::net::TcpListener::bind(("127.0.0.1", port)).and_then(|l| l.local_addr())
-        {
+        if let Ok(addr) = std::net::TcpListener::bind((ip, port)).and_then(|l| l.local_addr()) {
             return addr;
         }
     }
-    std::net::TcpListener::bind("127.0.0.1:0")
+    std::net::TcpListener::bind((ip, 0))
         .and_then(|l| l.local_addr())
-        .expect("bind an ephemeral port")
+        .unwrap_or_else(|err| panic!("no free port on {ip}: {err}"))
 }
 
 /// The lowest port `free_addr` hands out: above the well-known and most registered ones.
