@@ -226,7 +226,7 @@ pub fn free_addr() -> std::net::SocketAddr {
 pub fn free_addr_on(ip: std::net::IpAddr) -> std::net::SocketAddr {
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let low = FIXED_PORTS_FROM;
-    let span = ephemeral_low().saturating_sub(low);
+    let span = EPHEMERAL_LOW.saturating_sub(low);
     let start = std::process::id().wrapping_mul(7_919);
     for _ in 0..span {
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -243,14 +243,14 @@ pub fn free_addr_on(ip: std::net::IpAddr) -> std::net::SocketAddr {
 /// The lowest port `free_addr` hands out: above the well-known and most registered ones.
 const FIXED_PORTS_FROM: u32 = 10_000;
 
-/// The first port of the kernel's ephemeral range (`ip_local_port_range`), 32768 where it
-/// cannot be read.
-fn ephemeral_low() -> u32 {
+/// The first port of the kernel's ephemeral range (`ip_local_port_range`), read once; 32768
+/// where it cannot be read.
+static EPHEMERAL_LOW: std::sync::LazyLock<u32> = std::sync::LazyLock::new(|| {
     std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
         .ok()
         .and_then(|range| range.split_whitespace().next()?.parse().ok())
         .unwrap_or(32_768)
-}
+});
 
 /// A temporary directory removed on drop.
 pub struct TempDir(pub PathBuf);

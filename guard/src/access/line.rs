@@ -184,10 +184,10 @@ fn decimals<const N: usize>(fraction: u64, out: &mut Vec<u8>) {
 }
 
 /// `value` as n millionths, where it is exactly the double nearest n / 10^6 (one n at most:
-/// below 10^9 a double's step is under 10^-6) and the shortest
-/// form writes it as that decimal: with at most 15 significant digits no other decimal as
-/// short names the same double (so n's digits are the shortest form), and from 10^-5 up to
-/// 10^16 that form is plain, not an exponent (0 is written `0.0`; -0 is left to zmij).
+/// below 10^9 a double's step is under 10^-6) and the shortest form writes it as that
+/// decimal: with at most 15 significant digits no other decimal as short names the same
+/// double (so n's digits are the shortest form), and from 10^-5 up to 10^16 that form is
+/// plain, not an exponent (0 is written `0.0`; -0 is left to zmij).
 fn millionths(value: f64) -> Option<u64> {
     if !(value.is_sign_positive() && value < 1e9) {
         return None;
