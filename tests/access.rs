@@ -31,7 +31,7 @@ fn config(log: &Path) -> String {
 }
 
 /// The log's records once it holds `count` lines.
-async fn records(log: &Path, count: usize) -> Vec<Record> {
+async fn records(log: &Path, count: usize) -> Vec<Record<'static>> {
     let read = || std::fs::read_to_string(log).unwrap_or_default();
     until("the access log's lines", async || {
         read().lines().count() >= count
@@ -161,7 +161,7 @@ async fn every_request_is_one_line_with_the_servers_own_tokens_and_nothing_priva
         "the log counts what llama-server generated: {per_line:?}"
     );
     assert_outcomes_as_metrics(&guard, &lines).await;
-    let by_token: Vec<&Record> = lines
+    let by_token: Vec<&Record<'_>> = lines
         .iter()
         .filter(|l| l.identity.token.is_some())
         .collect();
@@ -189,7 +189,7 @@ async fn every_request_is_one_line_with_the_servers_own_tokens_and_nothing_priva
 
 /// Each queued line's class and outcome as `guard_requests_total` counted them; the
 /// pass-through line as `guard_passthrough_requests_total` did.
-async fn assert_outcomes_as_metrics(guard: &GuardProcess, lines: &[Record]) {
+async fn assert_outcomes_as_metrics(guard: &GuardProcess, lines: &[Record<'_>]) {
     let metrics = guard.metrics_text().await;
     for class in ["interactive", "batch", "full"] {
         for outcome in ["completed", "rejected", "reaped", "failed", "timed_out"] {
@@ -261,7 +261,7 @@ async fn heads_hyper_refuses_are_one_line_each() {
         .filter(|l| l.outcome == "invalid")
         .map(|l| {
             let reason = l.reason.as_deref().unwrap_or_default();
-            (l.status, reason, &*l.method, l.path.as_str())
+            (l.status, reason, &*l.method, &*l.path)
         })
         .collect();
     refused.sort_unstable();
@@ -369,7 +369,7 @@ async fn a_full_disk_never_stops_serving_and_drops_are_counted() {
         std::fs::read_to_string(&log)
             .unwrap_or_default()
             .lines()
-            .filter(|line| serde_json::from_str::<Record>(line).is_ok())
+            .filter(|line| serde_json::from_str::<Record<'_>>(line).is_ok())
             .count()
     };
     until("every line written or counted", async || {

@@ -70,16 +70,19 @@ impl By {
     }
 
     /// The record's key under this grouping; None where it has none (or an empty one).
-    fn key(self, record: &Record) -> Option<String> {
+    fn key(self, record: &Record<'_>) -> Option<String> {
         let identity = &record.identity;
-        let key = match self {
-            By::Unit => identity.unit.as_deref().map(str::to_owned),
-            By::Uid => identity.uid.map(|uid| uid.to_string()),
-            By::Token => identity.token.clone(),
-            By::Class => record.class.clone(),
-            By::Model => record.model.clone(),
+        let named = match self {
+            By::Unit => &identity.unit,
+            By::Uid => return identity.uid.map(|uid| uid.to_string()),
+            By::Token => &identity.token,
+            By::Class => &record.class,
+            By::Model => &record.model,
         };
-        key.filter(|key| !key.is_empty())
+        named
+            .as_deref()
+            .filter(|key| !key.is_empty())
+            .map(str::to_owned)
     }
 }
 
@@ -183,7 +186,7 @@ impl Query {
     }
 
     /// Whether the record is in the window: a record without a time is only in `all`.
-    fn keeps(&self, record: &Record) -> bool {
+    fn keeps(&self, record: &Record<'_>) -> bool {
         let Since::Last(duration) = self.since else {
             return true;
         };
@@ -271,7 +274,7 @@ struct Sum {
 }
 
 impl Sum {
-    fn add(&mut self, record: &Record) {
+    fn add(&mut self, record: &Record<'_>) {
         let row = &mut self.row;
         row.requests += 1;
         if let Some(count) = row.outcome_mut(&record.outcome) {
@@ -352,7 +355,7 @@ pub fn aggregate(mut input: impl BufRead, query: &Query) -> io::Result<Ledger> {
         if whole && line.trim_ascii().is_empty() {
             continue;
         }
-        let record = whole.then(|| serde_json::from_slice::<Record>(&line));
+        let record = whole.then(|| serde_json::from_slice::<Record<'_>>(&line));
         let Some(Ok(record)) = record else {
             skipped += 1;
             continue;
@@ -510,16 +513,16 @@ mod tests {
     }
 
     /// A completed request that concluded `minutes_ago` before `now()`, from `unit`.
-    fn record(minutes_ago: i64, unit: Option<&str>) -> Record {
+    fn record(minutes_ago: i64, unit: Option<&str>) -> Record<'static> {
         Record {
             time: Some(now() - SignedDuration::from_mins(minutes_ago)),
             id: guard::access::RequestId(minutes_ago.unsigned_abs()),
             identity: Identity {
-                unit: unit.map(Into::into),
+                unit: unit.map(|unit| unit.to_owned().into()),
                 ..Identity::default()
             },
             method: "POST".into(),
-            path: "/v1/chat/completions".to_owned(),
+            path: "/v1/chat/completions".into(),
             status: 200,
             outcome: "completed".into(),
             duration_ms: 800.0,
@@ -527,7 +530,7 @@ mod tests {
         }
     }
 
-    fn rejected(mut record: Record) -> Record {
+    fn rejected(mut record: Record<'static>) -> Record<'static> {
         record.status = 503;
         record.outcome = "rejected".into();
         record.reason = Some("queue_full".into());
@@ -548,8 +551,8 @@ mod tests {
         ledger.expect("reading the log")
     }
 
-    fn lines(records: &[Record]) -> Vec<String> {
-        let line = |r: &Record| serde_json::to_string(r).expect("a record serializes") + "\n";
+    fn lines(records: &[Record<'_>]) -> Vec<String> {
+        let line = |r: &Record<'_>| serde_json::to_string(r).expect("a record serializes") + "\n";
         records.iter().map(line).collect()
     }
 
@@ -562,9 +565,9 @@ mod tests {
     fn groups_by_each_key_with_a_row_for_records_without_it() {
         let mut full = record(1, Some("alice.service"));
         full.identity.uid = Some(1000);
-        full.identity.token = Some("ci".to_owned());
-        full.class = Some("interactive".to_owned());
-        full.model = Some("qwen2.5:7b".to_owned());
+        full.identity.token = Some("ci".into());
+        full.class = Some("interactive".into());
+        full.model = Some("qwen2.5:7b".into());
         let records = [
             full.clone(),
             full.clone(),
@@ -690,7 +693,7 @@ mod tests {
 
     #[test]
     fn queue_wait_percentiles_over_the_records_that_waited() {
-        let mut records: Vec<Record> = (1..=100)
+        let mut records: Vec<Record<'static>> = (1..=100)
             .map(|ms| {
                 let mut waited = record(1, Some("a"));
                 waited.queue_ms = Some(f64::from(ms));

@@ -19,37 +19,59 @@ thread_local! {
 /// The wall clock's time at `at`, a monotonic instant read lately (tokio's converts, where
 /// its clock is not paused).
 pub fn wall(at: Instant) -> jiff::Timestamp {
-    let pair = PAIR.with(|kept| match kept.get() {
-        Some(pair) if fresh(pair, at) => pair,
-        _ => {
-            let read = (Instant::now(), jiff::Timestamp::now());
-            kept.set(Some(read));
-            read
+    PAIR.with(|kept| {
+        if let Some(pair) = kept.get()
+            && let Some(after) = fresh(pair, at)
+        {
+            return later(pair.1, after);
         }
-    });
-    on(pair, at)
+        let read = (Instant::now(), jiff::Timestamp::now());
+        kept.set(Some(read));
+        on(read, at)
+    })
 }
 
-/// Whether `pair` was read at most PAIRED_FOR before `at`.
-fn fresh((mono, _): Pair, at: Instant) -> bool {
+/// How long after `pair`'s reading `at` is, where that is under PAIRED_FOR.
+fn fresh((mono, _): Pair, at: Instant) -> Option<Duration> {
     at.checked_duration_since(mono)
-        .is_some_and(|age| age < PAIRED_FOR)
+        .filter(|after| *after < PAIRED_FOR)
 }
 
 /// The wall time of `at` by `pair` (a pairing read just now is later than `at`).
 fn on((mono, time): Pair, at: Instant) -> jiff::Timestamp {
-    let moved = match at.checked_duration_since(mono) {
-        Some(after) => time.checked_add(after),
-        None => time.checked_sub(mono - at),
+    match at.checked_duration_since(mono) {
+        Some(after) => later(time, after),
+        None => time.checked_sub(mono - at).unwrap_or(time),
+    }
+}
+
+/// `time` moved on by `after`: the seconds and the nanoseconds added apart (a line's time
+/// is a few instructions, not jiff's arithmetic over every unit); before 1970, or beyond
+/// jiff's range, by jiff.
+fn later(time: jiff::Timestamp, after: Duration) -> jiff::Timestamp {
+    const NANOS: i32 = 1_000_000_000;
+    let nanos = time.subsec_nanosecond() + after.subsec_nanos() as i32;
+    let (carry, nanos) = if nanos >= NANOS {
+        (1, nanos - NANOS)
+    } else {
+        (0, nanos)
     };
-    moved.unwrap_or(time)
+    let second = i64::try_from(after.as_secs())
+        .ok()
+        .and_then(|secs| time.as_second().checked_add(secs + carry));
+    match second {
+        Some(second) if time.as_second() >= 0 => jiff::Timestamp::new(second, nanos).ok(),
+        _ => None,
+    }
+    .or_else(|| time.checked_add(after).ok())
+    .unwrap_or(time)
 }
 
 #[cfg(test)]
 mod tests {
     use std::time::{Duration, Instant};
 
-    use super::{PAIRED_FOR, fresh, on, wall};
+    use super::{PAIRED_FOR, fresh, later, on, wall};
 
     /// An instant after the pairing, and one before it, are the pairing's wall time moved by
     /// exactly their distance from it; a pairing is kept for PAIRED_FOR, no longer.
@@ -68,15 +90,44 @@ mod tests {
             on(pair, earlier),
             jiff::Timestamp::new(1_765_000_000, 120_456_789).expect("a time")
         );
-        assert!(fresh(pair, later));
-        assert!(
-            !fresh(pair, earlier),
+        assert_eq!(fresh(pair, later), Some(later - mono));
+        assert_eq!(
+            fresh(pair, earlier),
+            None,
             "an instant before the pairing reads anew"
         );
-        assert!(
-            !fresh(pair, mono + PAIRED_FOR),
+        assert_eq!(
+            fresh(pair, mono + PAIRED_FOR),
+            None,
             "a pairing a second old reads anew"
         );
+    }
+
+    /// Seconds and nanoseconds added apart make what jiff's own arithmetic makes: across a
+    /// second's end, before 1970, and at the end of jiff's range (where the time stays).
+    #[test]
+    fn a_time_moved_on_is_what_jiff_adds() {
+        let times = [
+            (1_765_000_000, 0),
+            (1_765_000_000, 999_999_999),
+            (1_765_000_000, 400_000_001),
+            (0, 0),
+            (-1, -1),
+            (-100, -999_999_999),
+            (jiff::Timestamp::MAX.as_second(), 999_999_999),
+            (jiff::Timestamp::MAX.as_second() - 1, 0),
+        ];
+        let afters = [0, 1, 599_999_999, 600_000_000, 999_999_999, 1_000_000_000]
+            .map(Duration::from_nanos)
+            .into_iter()
+            .chain([Duration::from_secs(2), Duration::new(86_400, 123)]);
+        for after in afters {
+            for (second, nanos) in times {
+                let time = jiff::Timestamp::new(second, nanos).expect("a time");
+                let jiffs = time.checked_add(after).unwrap_or(time);
+                assert_eq!(later(time, after), jiffs, "{time} + {after:?}");
+            }
+        }
     }
 
     /// Through the thread's pairing, the time falls between two readings of the wall clock

@@ -6,7 +6,7 @@ mod line;
 mod record;
 mod writer;
 
-pub use record::{Identity, Record, RequestId, RequestIdError, Tokens, Word};
+pub use record::{Identity, Record, RequestId, RequestIdError, Text, Tokens, Word};
 pub use writer::{AccessLog, LaterLine, OpenError};
 
 /// The header that tells the client its request's id (its access log line's `id`).

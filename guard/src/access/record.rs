@@ -2,7 +2,7 @@
 //! Who sent it, what decided its class, how it ended and what it used; never a prompt, an
 //! answer or a token.
 
-use std::{borrow::Cow, fmt, net::SocketAddr, str::FromStr, sync::Arc};
+use std::{borrow::Cow, fmt, net::SocketAddr, str::FromStr};
 
 use serde::{Deserialize, Serialize};
 
@@ -10,28 +10,32 @@ use serde::{Deserialize, Serialize};
 /// writes it, owned where a reader reads it back.
 pub type Word = Cow<'static, str>;
 
+/// A name or a path: borrowed from the request where guard writes its line (no copy, no
+/// count taken on a shared name), owned where a reader reads it back.
+pub type Text<'a> = Cow<'a, str>;
+
 /// One line of the access log (docs/design.md §7a).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct Record {
+pub struct Record<'a> {
     /// When the request concluded (RFC 3339, UTC).
     pub time: Option<jiff::Timestamp>,
     /// The request's id, also sent to the client as `X-Guard-Request-Id`.
     pub id: RequestId,
     pub client: Option<SocketAddr>,
     #[serde(default, skip_serializing_if = "Identity::is_empty")]
-    pub identity: Identity,
+    pub identity: Identity<'a>,
     /// Absent for a pass-through request, or one refused before it had a class.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub class: Option<String>,
+    pub class: Option<Text<'a>>,
     /// What decided the class: a rule's name, `header` or `default`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub decided_by: Option<String>,
+    pub decided_by: Option<Text<'a>>,
     pub method: Word,
     /// The path as the upstream decodes it (bounded, quoted where it cannot be read).
-    pub path: String,
+    pub path: Text<'a>,
     /// Within the metric labels' bounded set (`other` beyond it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model: Option<String>,
+    pub model: Option<Text<'a>>,
     pub status: u16,
     /// completed | rejected | reaped | failed | timed_out | invalid | refused | passed
     pub outcome: Word,
@@ -68,15 +72,26 @@ pub struct Record {
 pub struct RequestId(pub u64);
 
 impl RequestId {
-    /// Its 16 hex digits.
+    /// Its 16 hex digits (twice a request: its header and its line), eight at a time.
     pub fn digits(self) -> [u8; 16] {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let (high, low) = (hex((self.0 >> 32) as u32), hex(self.0 as u32));
         let mut digits = [0u8; 16];
-        for (at, digit) in digits.iter_mut().enumerate() {
-            *digit = HEX[((self.0 >> (60 - 4 * at)) & 0xf) as usize];
-        }
+        digits[..8].copy_from_slice(&high.to_be_bytes());
+        digits[8..].copy_from_slice(&low.to_be_bytes());
         digits
     }
+}
+
+/// `half`'s 8 hex digits, the first in the highest byte: each nibble spread to a byte of its
+/// own, then each byte made `0` + n, or `a` + n - 10 where n is above 9.
+fn hex(half: u32) -> u64 {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    let x = u64::from(half);
+    let x = (x | (x << 16)) & 0x0000_ffff_0000_ffff;
+    let x = (x | (x << 8)) & 0x00ff_00ff_00ff_00ff;
+    let nibbles = (x | (x << 4)) & 0x0f0f_0f0f_0f0f_0f0f;
+    let above_nine = ((nibbles + 6 * ONES) >> 4) & ONES;
+    nibbles + u64::from(b'0') * ONES + above_nine * u64::from(b'a' - b'0' - 10)
 }
 
 impl fmt::Display for RequestId {
@@ -119,20 +134,20 @@ impl<'de> Deserialize<'de> for RequestId {
 
 /// Who the client is, as the kernel and the classifier say: never the token itself.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Identity {
+pub struct Identity<'a> {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uid: Option<u32>,
     /// The last component of its cgroup (a systemd unit or scope).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub unit: Option<Arc<str>>,
+    pub unit: Option<Text<'a>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cgroup: Option<Arc<str>>,
+    pub cgroup: Option<Text<'a>>,
     /// The name of the rule whose bearer token the request carried.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub token: Option<String>,
+    pub token: Option<Text<'a>>,
 }
 
-impl Identity {
+impl Identity<'_> {
     pub fn is_empty(&self) -> bool {
         *self == Self::default()
     }
@@ -168,7 +183,10 @@ mod tests {
 
     #[test]
     fn a_request_id_is_written_as_16_hex_digits_and_read_back() {
-        for n in [0, 1, 0xdead_beef, u64::MAX, 0x0123_4567_89ab_cdef] {
+        let every_digit_everywhere =
+            (0..16).map(|shift| 0x0123_4567_89ab_cdef_u64.rotate_left(4 * shift));
+        let some = [0, 1, 9, 10, 0xdead_beef, u64::MAX, 0x9a9a_9a9a_9a9a_9a9a];
+        for n in some.into_iter().chain(every_digit_everywhere) {
             let id = RequestId(n);
             assert_eq!(id.to_string(), format!("{n:016x}"));
             let json = serde_json::to_string(&id).expect("serialize");
@@ -200,7 +218,7 @@ mod tests {
             };
             let json = serde_json::to_value(&record).expect("serialize");
             assert_eq!(json["client"], client);
-            let back: Record = serde_json::from_value(json).expect("read back");
+            let back: Record<'_> = serde_json::from_value(json).expect("read back");
             assert_eq!(back, record);
         }
         let none = serde_json::to_value(Record::default()).expect("serialize");

@@ -133,7 +133,7 @@ impl Lines {
 
     /// Serializes `record` into buffer `at`; true where it is the buffer's first line and the
     /// writer rests (the caller wakes it).
-    fn append(&self, at: usize, record: &Record) -> bool {
+    fn append(&self, at: usize, record: &Record<'_>) -> bool {
         let mut pending = self.buffers[at].lock();
         let Pending { text, line, closed } = &mut *pending;
         let start = text.len();
@@ -192,7 +192,7 @@ struct Held {
 
 impl LaterLine {
     /// Adds the request's line, as `AccessLog::write`.
-    pub fn write(&self, record: &Record) {
+    pub fn write(&self, record: &Record<'_>) {
         let Held { lines, at, writer } = &*self.0;
         if lines.append(*at, record) {
             writer.unpark();
@@ -267,7 +267,7 @@ impl AccessLog {
     }
 
     /// Adds the request's line; never waits for the disk. A full buffer drops it, counted.
-    pub fn write(&self, record: &Record) {
+    pub fn write(&self, record: &Record<'_>) {
         if let Some(inner) = &self.inner {
             inner.held[inner.lines.own_buffer()].write(record);
         }

@@ -2,15 +2,17 @@
 //! refused before any owner existed (a bad path, framing, a method guard does not pass on, a
 //! head hyper could not read).
 
-use std::{net::SocketAddr, sync::Arc};
+use std::{borrow::Cow, net::SocketAddr, sync::Arc};
+
+use compact_str::CompactString;
 
 use http::{Method, Response, Uri};
 use tokio::time::Instant;
 
-use super::request::{Shared, identity, method_and_path};
+use super::request::{Shared, client_process, identity, method_and_path};
 use crate::{
-    access::{Identity, LaterLine, Record, RequestId, Word},
-    reap::registry::Connection,
+    access::{LaterLine, Record, RequestId, Word},
+    reap::{peer::Peer, registry::Connection},
 };
 
 /// A line begun when its request arrived; written by `finish`, once. What the arrival tells,
@@ -18,9 +20,10 @@ use crate::{
 pub(super) struct Line {
     id: RequestId,
     client: SocketAddr,
-    identity: Identity,
+    /// The client's process, whose names the line borrows.
+    peer: Option<Arc<Peer>>,
     method: Word,
-    path: String,
+    path: CompactString,
     started: Instant,
     log: LaterLine,
 }
@@ -45,7 +48,7 @@ impl Line {
             shared,
             connection,
             Word::Borrowed(""),
-            String::new(),
+            CompactString::default(),
             log,
         ))
     }
@@ -54,13 +57,13 @@ impl Line {
         shared: &Shared,
         connection: &Arc<Connection>,
         method: Word,
-        path: String,
+        path: CompactString,
         log: LaterLine,
     ) -> Self {
         Self {
             id: crate::access::request_id(),
             client: connection.peer,
-            identity: identity(shared, connection, None),
+            peer: client_process(shared, connection).cloned(),
             method,
             path,
             started: Instant::now(),
@@ -80,9 +83,9 @@ impl Line {
             time: Some(crate::access::clock::wall(ended.into_std())),
             id: self.id,
             client: Some(self.client),
-            identity: self.identity,
+            identity: identity(self.peer.as_deref(), None),
             method: self.method,
-            path: self.path,
+            path: Cow::Borrowed(&self.path),
             status: end.status,
             outcome: end.outcome.into(),
             reason: end.reason.map(Into::into),

@@ -436,7 +436,11 @@ fn access_log_path(test: &str) -> std::path::PathBuf {
 }
 
 /// The log's lines once there are `count` of them (the writer is a thread of its own).
-async fn access_lines(guard: &Harness, path: &std::path::Path, count: usize) -> Vec<Record> {
+async fn access_lines(
+    guard: &Harness,
+    path: &std::path::Path,
+    count: usize,
+) -> Vec<Record<'static>> {
     let read = || std::fs::read_to_string(path).unwrap_or_default();
     guard.until(|| read().lines().count() >= count).await;
     read()

@@ -1,4 +1,4 @@
-use std::{borrow::Cow, net::SocketAddr, sync::Arc};
+use std::{borrow::Cow, net::SocketAddr};
 
 use proptest::prelude::*;
 
@@ -41,14 +41,14 @@ fn time() -> impl Strategy<Value = jiff::Timestamp> {
     })
 }
 
-fn identity() -> impl Strategy<Value = Identity> {
+fn identity() -> impl Strategy<Value = Identity<'static>> {
     let name = || proptest::option::of(text());
     (proptest::option::of(any::<u32>()), name(), name(), name()).prop_map(
         |(uid, unit, cgroup, token)| Identity {
             uid,
-            unit: unit.map(Arc::from),
-            cgroup: cgroup.map(Arc::from),
-            token,
+            unit: unit.map(Cow::Owned),
+            cgroup: cgroup.map(Cow::Owned),
+            token: token.map(Cow::Owned),
         },
     )
 }
@@ -63,7 +63,7 @@ fn tokens() -> impl Strategy<Value = Tokens> {
     })
 }
 
-fn record() -> impl Strategy<Value = Record> {
+fn record() -> impl Strategy<Value = Record<'static>> {
     let word = || text().prop_map(Cow::Owned);
     let some_text = || proptest::option::of(text());
     let some_float = || proptest::option::of(float());
@@ -106,11 +106,11 @@ fn record() -> impl Strategy<Value = Record> {
                 id: RequestId(id),
                 client,
                 identity,
-                class,
-                decided_by,
+                class: class.map(Cow::Owned),
+                decided_by: decided_by.map(Cow::Owned),
                 method,
-                path,
-                model,
+                path: path.into(),
+                model: model.map(Cow::Owned),
                 status,
                 outcome,
                 reason,
@@ -128,11 +128,11 @@ fn record() -> impl Strategy<Value = Record> {
         })
 }
 
-fn serde_line(record: &Record) -> String {
+fn serde_line(record: &Record<'_>) -> String {
     serde_json::to_string(record).expect("serialize")
 }
 
-fn our_line(writer: &mut LineWriter, record: &Record) -> String {
+fn our_line(writer: &mut LineWriter, record: &Record<'_>) -> String {
     let mut out = Vec::new();
     writer.write(record, &mut out);
     String::from_utf8(out).expect("utf-8")

@@ -9,7 +9,7 @@ fn dropped() -> IntCounter {
     IntCounter::new("dropped", "lines dropped").expect("a counter")
 }
 
-fn record(id: u64) -> Record {
+fn record(id: u64) -> Record<'static> {
     Record {
         id: RequestId(id),
         path: "/api/show".into(),
@@ -57,7 +57,12 @@ fn close_writes_every_line_added_and_counts_one_added_after() {
     let text = std::fs::read_to_string(&path).expect("the log");
     let ids: Vec<u64> = text
         .lines()
-        .map(|line| serde_json::from_str::<Record>(line).expect("a record").id.0)
+        .map(|line| {
+            serde_json::from_str::<Record<'_>>(line)
+                .expect("a record")
+                .id
+                .0
+        })
         .collect();
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(ids.len() as u64, THREADS * each, "one line a request");

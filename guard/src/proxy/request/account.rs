@@ -1,16 +1,19 @@
 //! What the access log says of a queued request, gathered on its way: its id, what it was, who
 //! sent it, what it was sent back and what it used. Written once, when it concludes.
 
-use std::{sync::Arc, time::Duration};
+use std::{borrow::Cow, time::Duration};
 
+use compact_str::CompactString;
 use http::request;
+use tokio::time::Instant;
 
-use super::{QueuedRequest, Shared, phases::client_process};
+use super::{QueuedRequest, phases::client_process};
 use crate::{
     access::{Identity, Record, RequestId, Tokens, Word},
+    classify::DecidedBy,
     proxy::outcome::{Outcome, Stage},
     quote::quote,
-    reap::registry::Connection,
+    reap::peer::Peer,
 };
 
 /// The longest path or cgroup the log keeps (a longer one is cut at a character boundary).
@@ -22,9 +25,11 @@ pub(super) struct Account {
     /// Also sent to the client as `X-Guard-Request-Id`.
     pub(super) id: RequestId,
     method: Word,
-    path: String,
-    /// The rule, header or default that decided the class.
-    pub(super) decided_by: Option<String>,
+    /// Inline up to 24 bytes: most paths take no allocation.
+    path: CompactString,
+    /// The rule, header or default that decided the class (named by the request's own
+    /// settings when the line is written).
+    pub(super) decided_by: Option<DecidedBy>,
     /// The rule whose bearer token the request carried (never the token).
     pub(super) token: Option<String>,
     /// The status of the response head the client was sent, once sent.
@@ -67,43 +72,36 @@ fn bounded(path: &str) -> &str {
     &path[..end]
 }
 
-/// The connection's own copy (no copy a request), unless it is too long to log whole.
-fn shared_bounded(name: &Arc<str>) -> Arc<str> {
-    match bounded(name) {
-        whole if whole.len() == name.len() => Arc::clone(name),
-        cut => Arc::from(cut),
-    }
-}
-
 /// A client that left before any response head was sent (nginx's word for it).
 const CLIENT_CLOSED: u16 = 499;
 
 impl QueuedRequest {
-    /// The request's access log line, as it concludes: the account's own words move into it
-    /// (nothing reads them after), the rest is copied.
-    pub(super) fn access_record(
-        &mut self,
-        outcome: &Outcome,
-        stage: Stage,
-        ended: tokio::time::Instant,
-    ) -> Record {
+    /// Writes the request's access log line, as it concludes.
+    pub(super) fn write_access_line(&self, outcome: &Outcome, stage: Stage, ended: Instant) {
+        self.shared
+            .access
+            .write(&self.access_record(outcome, stage, ended));
+    }
+
+    /// The line's record, its names borrowed from the request.
+    fn access_record(&self, outcome: &Outcome, stage: Stage, ended: Instant) -> Record<'_> {
         let elapsed = ended.saturating_duration_since(self.arrived);
         let (words, reason, ended_at) = outcome.words();
         let usage = self.usage.unwrap_or_default();
         let ms = crate::access::millis;
-        let identity = identity(&self.shared, &self.connection, self.account.token.take());
-        let model = self.model.as_ref().map(|_| self.model_label());
-        let account = &mut self.account;
+        let peer = client_process(&self.shared, &self.connection);
+        let account = &self.account;
+        let classifier = &self.settings.classifier;
         Record {
             time: Some(crate::access::clock::wall(ended.into_std())),
             id: account.id,
             client: Some(self.connection.peer),
-            identity,
-            class: self.class.clone(),
-            decided_by: account.decided_by.take(),
-            method: std::mem::take(&mut account.method),
-            path: std::mem::take(&mut account.path),
-            model,
+            identity: identity(peer.map(|peer| &**peer), account.token.as_deref()),
+            class: self.class.as_deref().map(Cow::Borrowed),
+            decided_by: account.decided_by.map(|by| classifier.label(by).into()),
+            method: account.method.clone(),
+            path: Cow::Borrowed(&account.path),
+            model: self.model.as_deref().map(|_| self.model_label().into()),
             status: account.status.unwrap_or(CLIENT_CLOSED),
             outcome: words.into(),
             reason: reason.map(Into::into),
@@ -127,36 +125,40 @@ impl QueuedRequest {
 }
 
 /// Who the client is: its process (the eBPF record, else /proc, looked up once per
-/// connection) and the rule its token matched.
-pub(in crate::proxy) fn identity(
-    shared: &Shared,
-    connection: &Connection,
-    token: Option<String>,
-) -> Identity {
-    let Some(peer) = client_process(shared, connection) else {
+/// connection) and the rule its token matched; the process's names borrowed, bounded.
+pub(in crate::proxy) fn identity<'a>(
+    peer: Option<&'a Peer>,
+    token: Option<&'a str>,
+) -> Identity<'a> {
+    let token = token.map(Cow::Borrowed);
+    let Some(peer) = peer else {
         return Identity {
             token,
             ..Identity::default()
         };
     };
+    let name = |name: &'a Option<std::sync::Arc<str>>| name.as_deref().map(|n| bounded(n).into());
     Identity {
         uid: peer.uid,
-        unit: peer.unit.as_ref().map(shared_bounded),
-        cgroup: peer.cgroup.as_ref().map(shared_bounded),
+        unit: name(&peer.unit),
+        cgroup: name(&peer.cgroup),
         token,
     }
 }
 
 /// A request's method and path as the log says them: quoted, the path as the upstream
 /// decodes it and bounded.
-pub(in crate::proxy) fn method_and_path(method: &http::Method, uri: &http::Uri) -> (Word, String) {
+pub(in crate::proxy) fn method_and_path(
+    method: &http::Method,
+    uri: &http::Uri,
+) -> (Word, CompactString) {
     let raw = uri.path();
     let path = match crate::route::normalize(raw).unwrap_or_else(|_| raw.into()) {
-        std::borrow::Cow::Owned(mut path) => {
+        Cow::Owned(mut path) => {
             path.truncate(bounded(&path).len());
-            path
+            CompactString::from(path)
         }
-        std::borrow::Cow::Borrowed(path) => bounded(path).to_owned(),
+        Cow::Borrowed(path) => CompactString::from(bounded(path)),
     };
     (method_word(method), path)
 }

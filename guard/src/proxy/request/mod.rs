@@ -30,6 +30,7 @@ use super::{
 };
 use account::Account;
 pub(super) use account::{identity, method_and_path};
+pub(super) use phases::client_process;
 
 use crate::{
     access::AccessLog,
@@ -378,7 +379,7 @@ impl QueuedRequest {
         let (outcome, answer) = match ending {
             Ending::Quiet(outcome) => (outcome, None),
             Ending::Told(error) => {
-                let label = || self.model_label();
+                let label = || self.model_label().to_owned();
                 (Outcome::of(&error, stage, label), Some(error))
             }
         };
@@ -393,8 +394,7 @@ impl QueuedRequest {
         self.record(&outcome, stage, per_token, elapsed);
         self.tell_client(&outcome, answer);
         if self.shared.access.is_on() {
-            let line = self.access_record(&outcome, stage, ended);
-            self.shared.access.write(&line);
+            self.write_access_line(&outcome, stage, ended);
         }
     }
 
@@ -431,9 +431,9 @@ impl QueuedRequest {
     }
 
     /// The request's model as the metrics name it (a bounded set).
-    fn model_label(&self) -> String {
+    fn model_label(&self) -> &str {
         let model = self.model.as_deref().unwrap_or_default();
-        self.shared.watched.model_label(model).to_owned()
+        self.shared.watched.model_label(model)
     }
 
     /// A dispatched request as a job, valid when it completed with the server's own end

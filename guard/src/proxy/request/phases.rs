@@ -91,7 +91,7 @@ fn detach(mut head: request::Parts) -> request::Parts {
 }
 
 /// The client's process, looked up once per connection (the eBPF record, else /proc).
-pub(super) fn client_process<'c>(
+pub(in crate::proxy) fn client_process<'c>(
     shared: &Shared,
     connection: &'c Connection,
 ) -> Option<&'c Arc<Peer>> {
@@ -325,7 +325,7 @@ impl QueuedRequest {
         tracing::trace!(class = decision.class, by = %decision.by, "classified");
         if last && self.shared.access.is_on() {
             let account = &mut self.account;
-            account.decided_by = Some(classifier.label(decision.by).to_owned());
+            account.decided_by = Some(decision.by);
             account.token = classifier.token_rule(&head.headers).map(str::to_owned);
         }
         if last {
