@@ -59,6 +59,8 @@ struct Settings {
     fair_by: BTreeMap<String, crate::config::FairBy>,
     /// The classes whose answers must parse as JSON to count as valid jobs.
     expect_json: std::collections::BTreeSet<String>,
+    /// Model names the config spells out: a `model` label may name them.
+    named_models: std::collections::BTreeSet<String>,
     default_class: String,
     queued: QueuedPaths,
     max_passthrough: u32,
@@ -174,7 +176,6 @@ impl Proxy {
         queued
             .budget
             .set_cap(config.server.max_body_bytes_in_flight);
-        queued.watched.set_named_models(config);
         self.connections
             .set_half_close_means_gone(config.server.half_close_means_gone);
         let settings = Settings::from(config);
@@ -340,6 +341,7 @@ impl From<&Config> for Settings {
                 .map(|(name, _)| name.clone())
                 .collect(),
             cold_load: Duration::from_millis(config.watch.cold_load_ms),
+            named_models: config.named_models().into_iter().collect(),
             timeouts: config
                 .class
                 .iter()

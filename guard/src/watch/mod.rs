@@ -12,6 +12,7 @@ pub mod upstream;
 pub use upstream::RunningFn;
 
 use std::{
+    collections::BTreeSet,
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -45,8 +46,6 @@ pub struct Watched {
     pub signals: Mutex<Signals>,
     status: Mutex<WatchStatus>,
     pub remote_models: upstream::RemoteModels,
-    /// Model names the config spells out.
-    named_models: Mutex<std::collections::BTreeSet<String>>,
     /// Joules per held slot, for each request's share of the energy.
     pub energy: Arc<energy::EnergyIndex>,
 }
@@ -69,27 +68,14 @@ impl Watched {
     }
 
     /// A model's name as a metric label: the name where the upstream lists the model or the
-    /// config names it, else `other`, so made-up names cannot grow `/metrics`.
-    pub fn model_label<'a>(&self, model: &'a str) -> &'a str {
-        let named = self
-            .named_models
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .contains(model);
-        if named || self.remote_models.known(model) {
+    /// config names it (`named`, from the request's own settings: no lock shared by every
+    /// request), else `other`, so made-up names cannot grow `/metrics`.
+    pub fn model_label<'a>(&self, named: &BTreeSet<String>, model: &'a str) -> &'a str {
+        if named.contains(model) || self.remote_models.known(model) {
             model
         } else {
             "other"
         }
-    }
-
-    /// The model names a (re)loaded config spells out.
-    pub fn set_named_models(&self, config: &Config) {
-        *self
-            .named_models
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) =
-            config.named_models().into_iter().collect();
     }
 
     pub fn status(&self) -> WatchStatus {
@@ -159,7 +145,6 @@ pub fn spawn(
         energy: samplers.energy.index(),
         ..Watched::default()
     });
-    watched.set_named_models(config);
     let interval = Duration::from_millis(config.watch.interval_ms);
     let mut upstream = upstream::UpstreamWatcher::new(metrics, config, upstream, running);
     let shared = Arc::clone(&watched);

@@ -4,7 +4,6 @@
 use std::{borrow::Cow, time::Duration};
 
 use compact_str::CompactString;
-use http::request;
 use tokio::time::Instant;
 
 use super::{QueuedRequest, phases::client_process};
@@ -49,9 +48,10 @@ impl Account {
         }
     }
 
-    /// What the request is: its method and its path as the upstream decodes it.
-    pub(super) fn head(&mut self, head: &request::Parts) {
-        (self.method, self.path) = method_and_path(&head.method, &head.uri);
+    /// What the request is: its method, and its path as the upstream decodes it (else as
+    /// it was sent).
+    pub(super) fn head(&mut self, method: &http::Method, path: &str) {
+        (self.method, self.path) = logged(method, path);
     }
 
     /// Adds what one hold of a slot used.
@@ -153,14 +153,15 @@ pub(in crate::proxy) fn method_and_path(
     uri: &http::Uri,
 ) -> (Word, CompactString) {
     let raw = uri.path();
-    let path = match crate::route::normalize(raw).unwrap_or_else(|_| raw.into()) {
-        Cow::Owned(mut path) => {
-            path.truncate(bounded(&path).len());
-            CompactString::from(path)
-        }
-        Cow::Borrowed(path) => CompactString::from(bounded(path)),
-    };
-    (method_word(method), path)
+    logged(
+        method,
+        crate::route::normalize(raw).as_deref().unwrap_or(raw),
+    )
+}
+
+/// `method` quoted, and `path` (decoded already) bounded.
+fn logged(method: &http::Method, path: &str) -> (Word, CompactString) {
+    (method_word(method), CompactString::from(bounded(path)))
 }
 
 /// A method's name: the standard ones borrowed, any other quoted.

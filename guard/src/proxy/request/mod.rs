@@ -433,7 +433,9 @@ impl QueuedRequest {
     /// The request's model as the metrics name it (a bounded set).
     fn model_label(&self) -> &str {
         let model = self.model.as_deref().unwrap_or_default();
-        self.shared.watched.model_label(model)
+        self.shared
+            .watched
+            .model_label(&self.settings.named_models, model)
     }
 
     /// A dispatched request as a job, valid when it completed with the server's own end

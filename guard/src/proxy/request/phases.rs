@@ -106,12 +106,16 @@ fn too_large(limit: u64) -> Ending {
 impl QueuedRequest {
     pub(super) async fn phases(&mut self, request: Request<Inbound>) -> Phase<Ending> {
         let (mut head, body) = request.into_parts();
+        // Decoded once, for the endpoint and the log line.
+        let path = crate::route::normalize(head.uri.path());
         if self.shared.access.is_on() {
-            self.account.head(&head);
+            let shown = path.as_deref().unwrap_or(head.uri.path());
+            self.account.head(&head.method, shown);
             // Looked up on arrival, while the client's process surely still exists; cached on
             // its connection.
             client_process(&self.shared, &self.connection);
         }
+        let endpoint = path.ok().and_then(|path| Endpoint::of(&path));
         // Until the body is read, the class is the one the head alone points to (rules on the
         // model need the body): its body-read limit applies.
         if let Ok(class) = self.decide(&head, None, false) {
@@ -128,9 +132,7 @@ impl QueuedRequest {
         self.class = Some(class.clone());
         self.model.clone_from(&asks.model);
         self.check_remote(&class, &asks)?;
-        self.endpoint = crate::route::normalize(head.uri.path())
-            .ok()
-            .and_then(|path| Endpoint::of(&path));
+        self.endpoint = endpoint;
         let tracked = match self.plan(&head, &bytes, &class) {
             Some((plan, exact_only)) => self.track(plan, exact_only, &head).await,
             None => {

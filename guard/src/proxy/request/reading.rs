@@ -245,10 +245,7 @@ impl QueuedRequest {
 
     /// Ollama's answer says how long its model took to load: a long load is a cold load.
     fn note_cold_load(&self, load: Duration) {
-        let model = self
-            .shared
-            .watched
-            .model_label(self.model.as_deref().unwrap_or_default());
+        let model = self.model_label();
         let metrics = &self.shared.metrics;
         let by_model = Model { model };
         let last = metrics.model_last_load_seconds.of(&by_model);
