@@ -50,21 +50,21 @@ fn on((mono, time): Pair, at: Instant) -> jiff::Timestamp {
 /// jiff's range, by jiff.
 fn later(time: jiff::Timestamp, after: Duration) -> jiff::Timestamp {
     const NANOS: i32 = 1_000_000_000;
+    let by_jiff = || time.checked_add(after).unwrap_or(time);
+    if time.as_second() < 0 {
+        return by_jiff();
+    }
     let nanos = time.subsec_nanosecond() + after.subsec_nanos() as i32;
     let (carry, nanos) = if nanos >= NANOS {
         (1, nanos - NANOS)
     } else {
         (0, nanos)
     };
-    let second = i64::try_from(after.as_secs())
+    i64::try_from(after.as_secs())
         .ok()
-        .and_then(|secs| time.as_second().checked_add(secs + carry));
-    match second {
-        Some(second) if time.as_second() >= 0 => jiff::Timestamp::new(second, nanos).ok(),
-        _ => None,
-    }
-    .or_else(|| time.checked_add(after).ok())
-    .unwrap_or(time)
+        .and_then(|secs| time.as_second().checked_add(secs)?.checked_add(carry))
+        .and_then(|second| jiff::Timestamp::new(second, nanos).ok())
+        .unwrap_or_else(by_jiff)
 }
 
 #[cfg(test)]
@@ -120,7 +120,8 @@ mod tests {
         let afters = [0, 1, 599_999_999, 600_000_000, 999_999_999, 1_000_000_000]
             .map(Duration::from_nanos)
             .into_iter()
-            .chain([Duration::from_secs(2), Duration::new(86_400, 123)]);
+            .chain([Duration::from_secs(2), Duration::new(86_400, 123)])
+            .chain([Duration::new(u64::MAX, 999_999_999)]);
         for after in afters {
             for (second, nanos) in times {
                 let time = jiff::Timestamp::new(second, nanos).expect("a time");

@@ -6,13 +6,13 @@ use std::{borrow::Cow, fmt, net::SocketAddr, str::FromStr};
 
 use serde::{Deserialize, Serialize};
 
-/// A word from a fixed set (an outcome, a reason, a stage, a method): borrowed where guard
-/// writes it, owned where a reader reads it back.
-pub type Word = Cow<'static, str>;
-
 /// A name or a path: borrowed from the request where guard writes its line (no copy, no
 /// count taken on a shared name), owned where a reader reads it back.
 pub type Text<'a> = Cow<'a, str>;
+
+/// A word from a fixed set (an outcome, a reason, a stage, a method): borrowed where guard
+/// writes it, owned where a reader reads it back.
+pub type Word = Text<'static>;
 
 /// One line of the access log (docs/design.md §7a).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -72,26 +72,13 @@ pub struct Record<'a> {
 pub struct RequestId(pub u64);
 
 impl RequestId {
-    /// Its 16 hex digits (twice a request: its header and its line), eight at a time.
+    /// Its 16 hex digits.
     pub fn digits(self) -> [u8; 16] {
-        let (high, low) = (hex((self.0 >> 32) as u32), hex(self.0 as u32));
         let mut digits = [0u8; 16];
-        digits[..8].copy_from_slice(&high.to_be_bytes());
-        digits[8..].copy_from_slice(&low.to_be_bytes());
+        // Eight bytes make sixteen digits: the slice is always the right length.
+        let _ = hex::encode_to_slice(self.0.to_be_bytes(), &mut digits);
         digits
     }
-}
-
-/// `half`'s 8 hex digits, the first in the highest byte: each nibble spread to a byte of its
-/// own, then each byte made `0` + n, or `a` + n - 10 where n is above 9.
-fn hex(half: u32) -> u64 {
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    let x = u64::from(half);
-    let x = (x | (x << 16)) & 0x0000_ffff_0000_ffff;
-    let x = (x | (x << 8)) & 0x00ff_00ff_00ff_00ff;
-    let nibbles = (x | (x << 4)) & 0x0f0f_0f0f_0f0f_0f0f;
-    let above_nine = ((nibbles + 6 * ONES) >> 4) & ONES;
-    nibbles + u64::from(b'0') * ONES + above_nine * u64::from(b'a' - b'0' - 10)
 }
 
 impl fmt::Display for RequestId {
