@@ -516,7 +516,7 @@ mod tests {
     fn record(minutes_ago: i64, unit: Option<&str>) -> Record<'static> {
         Record {
             time: Some(now() - SignedDuration::from_mins(minutes_ago)),
-            id: guard::access::RequestId(minutes_ago.unsigned_abs()),
+            id: guard::access::RequestId::from(minutes_ago.unsigned_abs()),
             identity: Identity {
                 unit: unit.map(|unit| unit.to_owned().into()),
                 ..Identity::default()

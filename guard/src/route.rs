@@ -55,7 +55,12 @@ impl QueuedPaths {
 
     /// Whether a request for `raw` (its path as sent) is generation work.
     pub fn contains(&self, raw: &str) -> Result<bool, PathError> {
-        Ok(self.0.contains(normalize(raw)?.as_ref()))
+        Ok(self.contains_normalized(&normalize(raw)?))
+    }
+
+    /// Whether a request for `path`, as `normalize` made it, is generation work.
+    pub fn contains_normalized(&self, path: &str) -> bool {
+        self.0.contains(path)
     }
 }
 

@@ -6,6 +6,7 @@ mod line;
 mod record;
 mod writer;
 
+pub use line::who;
 pub use record::{Identity, Record, RequestId, RequestIdError, Text, Tokens, Word};
 pub use writer::{AccessLog, LaterLine, OpenError};
 
@@ -14,7 +15,7 @@ const REQUEST_ID_HEADER: http::HeaderName = http::HeaderName::from_static("x-gua
 
 /// Adds `X-Guard-Request-Id: id` to an answer.
 pub fn tag<B>(response: &mut http::Response<B>, id: RequestId) {
-    if let Ok(id) = http::HeaderValue::from_bytes(&id.digits()) {
+    if let Ok(id) = http::HeaderValue::from_bytes(id.as_bytes()) {
         response.headers_mut().insert(REQUEST_ID_HEADER, id);
     }
 }
@@ -56,5 +57,5 @@ pub fn request_id() -> RequestId {
         taken.set((next + 1, end));
         next
     });
-    RequestId(START.wrapping_add(n))
+    RequestId::from(START.wrapping_add(n))
 }

@@ -2,26 +2,25 @@
 //! refused before any owner existed (a bad path, framing, a method guard does not pass on, a
 //! head hyper could not read).
 
-use std::{borrow::Cow, net::SocketAddr, sync::Arc};
+use std::{borrow::Cow, sync::Arc};
 
 use compact_str::CompactString;
 
-use http::{Method, Response, Uri};
+use http::{Method, Response};
 use tokio::time::Instant;
 
-use super::request::{Shared, client_process, identity, method_and_path};
+use super::request::{Shared, client_process, logged, who};
 use crate::{
     access::{LaterLine, Record, RequestId, Word},
-    reap::{peer::Peer, registry::Connection},
+    reap::registry::Connection,
 };
 
 /// A line begun when its request arrived; written by `finish`, once. What the arrival tells,
 /// not a whole record: it moves with its request's future and answer body.
 pub(super) struct Line {
     id: RequestId,
-    client: SocketAddr,
-    /// The client's process, whose names the line borrows.
-    peer: Option<Arc<Peer>>,
+    /// The client's, whose address, process and their rendering the line borrows.
+    connection: Arc<Connection>,
     method: Word,
     path: CompactString,
     started: Instant,
@@ -29,15 +28,16 @@ pub(super) struct Line {
 }
 
 impl Line {
-    /// A line for this request, where the access log is on.
+    /// A line for this request, where the access log is on: `path` as the upstream decodes
+    /// it (else as sent).
     pub(super) fn begin(
         shared: &Shared,
         connection: &Arc<Connection>,
         method: &Method,
-        uri: &Uri,
+        path: &str,
     ) -> Option<Self> {
         let log = shared.access.later()?;
-        let (method, path) = method_and_path(method, uri);
+        let (method, path) = logged(method, path);
         Some(Self::new(shared, connection, method, path, log))
     }
 
@@ -60,10 +60,11 @@ impl Line {
         path: CompactString,
         log: LaterLine,
     ) -> Self {
+        // Looked up on arrival, while the client's process surely still exists.
+        client_process(shared, connection);
         Self {
             id: crate::access::request_id(),
-            client: connection.peer,
-            peer: client_process(shared, connection).cloned(),
+            connection: Arc::clone(connection),
             method,
             path,
             started: Instant::now(),
@@ -79,11 +80,13 @@ impl Line {
     /// Writes the line: the answer's status, how it ended, and the bytes each way.
     pub(super) fn finish(self, end: End) {
         let ended = Instant::now();
+        let (client, identity, who) = who(&self.connection, None);
         let record = Record {
             time: Some(crate::access::clock::wall(ended.into_std())),
             id: self.id,
-            client: Some(self.client),
-            identity: identity(self.peer.as_deref(), None),
+            client,
+            identity,
+            who: Some(who),
             method: self.method,
             path: Cow::Borrowed(&self.path),
             status: end.status,

@@ -12,6 +12,7 @@ mod serve;
 mod throughput;
 
 use std::{
+    borrow::Cow,
     collections::BTreeMap,
     sync::{Arc, RwLock},
     time::Duration,
@@ -208,8 +209,8 @@ impl Proxy {
     ) -> Response<Body> {
         let settings = self.settings();
         let shape = error_shape(request.uri().path(), settings.api);
-        let queued = match sort(&request, &settings) {
-            Ok(queued) => queued,
+        let (queued, path) = match sort(&request, &settings) {
+            Ok(sorted) => sorted,
             Err((reason, error)) => {
                 return self.bad_request(reason, error, connection, shape, &request);
             }
@@ -218,7 +219,7 @@ impl Proxy {
             let queued = Arc::clone(&self.queued);
             return request::handle(queued, settings, request, connection).await;
         }
-        let line = Line::begin(&self.queued, connection, request.method(), request.uri());
+        let line = Line::begin(&self.queued, connection, request.method(), &path);
         // Boxed: hyper keeps room for this future in every connection, idle or not, and the
         // pass-through client's state is most of it.
         let limit = settings.max_passthrough;
@@ -264,7 +265,10 @@ impl Proxy {
         request: &Request<Inbound>,
     ) -> Response<Body> {
         outcome::invalid(&self.queued.metrics, reason.as_str());
-        let line = Line::begin(&self.queued, connection, request.method(), request.uri());
+        let raw = request.uri().path();
+        let path = crate::route::normalize(raw);
+        let path = path.as_deref().unwrap_or(raw);
+        let line = Line::begin(&self.queued, connection, request.method(), path);
         let mut response = error.into_response(shape);
         response.headers_mut().insert(
             http::header::CONNECTION,
@@ -288,17 +292,21 @@ impl Proxy {
 }
 
 /// Whether a request is queued, passed through, or refused here: a method guard never passes
-/// on, a length two parties could read two ways, a path the upstream cannot decode.
-fn sort(request: &Request<Inbound>, settings: &Settings) -> Result<bool, (Invalid, ProxyError)> {
+/// on, a length two parties could read two ways, a path the upstream cannot decode. With it,
+/// the path as the upstream decodes it.
+fn sort<'r>(
+    request: &'r Request<Inbound>,
+    settings: &Settings,
+) -> Result<(bool, Cow<'r, str>), (Invalid, ProxyError)> {
     if !passes_on(request.method()) {
         let method = request.method().clone();
         return Err((Invalid::Method, ProxyError::MethodNotAllowed { method }));
     }
     framing(request.headers()).map_err(|reason| (Invalid::Framing, ProxyError::Framing(reason)))?;
-    match settings.queued.contains(request.uri().path()) {
-        Ok(queued) => Ok(queued && request.method() == Method::POST),
-        Err(err) => Err((Invalid::BadPath, ProxyError::from(err))),
-    }
+    let path = crate::route::normalize(request.uri().path())
+        .map_err(|err| (Invalid::BadPath, ProxyError::from(err)))?;
+    let queued = settings.queued.contains_normalized(&path) && request.method() == Method::POST;
+    Ok((queued, path))
 }
 
 /// Whether guard passes a request of this method on. `CONNECT` asks for a tunnel (hyper would

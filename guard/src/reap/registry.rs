@@ -26,6 +26,8 @@ pub struct Connection {
     linger: std::sync::atomic::AtomicBool,
     /// The client's process, looked up once, when a rule first asks.
     process: std::sync::OnceLock<Option<Arc<super::peer::Peer>>>,
+    /// The client (address and process) as the access log writes it, rendered once.
+    logged_as: std::sync::OnceLock<Box<[u8]>>,
 }
 
 impl guard_net::linger::Lingers for Connection {
@@ -61,6 +63,17 @@ impl Connection {
         self.process
             .get_or_init(|| look_up().map(Arc::new))
             .as_ref()
+    }
+
+    /// The client's process, where it was looked up already.
+    pub fn known_process(&self) -> Option<&Arc<super::peer::Peer>> {
+        self.process.get().and_then(Option::as_ref)
+    }
+
+    /// The client as the access log writes it: `render` runs once per connection, whose
+    /// address and process do not change while it lasts.
+    pub fn logged_as(&self, render: impl FnOnce() -> Vec<u8>) -> &[u8] {
+        self.logged_as.get_or_init(|| render().into_boxed_slice())
     }
 
     pub fn lingers(&self) -> bool {
@@ -116,6 +129,7 @@ impl Registry {
             gone_at: Mutex::new(None),
             linger: std::sync::atomic::AtomicBool::new(false),
             process: std::sync::OnceLock::new(),
+            logged_as: std::sync::OnceLock::new(),
         });
         self.lock().insert(peer, Arc::clone(&connection));
         connection

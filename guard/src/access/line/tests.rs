@@ -103,9 +103,10 @@ fn record() -> impl Strategy<Value = Record<'static>> {
             let (tokens, preemptions, bytes_in, bytes_out, slot_ms, energy_joules) = tail;
             Record {
                 time,
-                id: RequestId(id),
+                id: RequestId::from(id),
                 client,
                 identity,
+                who: None,
                 class: class.map(Cow::Owned),
                 decided_by: decided_by.map(Cow::Owned),
                 method,
@@ -154,6 +155,13 @@ proptest! {
         }
         for record in &records {
             let ours = WRITER.with_borrow_mut(|writer| our_line(writer, record));
+            prop_assert_eq!(&ours, &serde_line(record));
+            // With the client rendered once for its connection (its token aside): the same
+            // bytes, token or none.
+            let connection = Identity { token: None, ..record.identity.clone() };
+            let rendered = super::who(record.client, &connection);
+            let with_who = Record { who: Some(&rendered), ..record.clone() };
+            let ours = WRITER.with_borrow_mut(|writer| our_line(writer, &with_who));
             prop_assert_eq!(ours, serde_line(record));
         }
     }
@@ -211,4 +219,24 @@ fn millisecond_figures_at_the_edges_of_the_digit_path_are_what_serde_json_writes
             assert_eq!(String::from_utf8(ours).expect("utf-8"), theirs, "{value:e}");
         }
     }
+}
+
+/// Every byte, at every place of a name up to two steps and a remainder long, is found to
+/// need escaping exactly when serde_json escapes it.
+#[test]
+fn a_byte_needs_escaping_wherever_it_stands_exactly_when_serde_json_escapes_it() {
+    for len in 1..=19 {
+        for at in 0..len {
+            for byte in 0..=u8::MAX {
+                let mut bytes = vec![b'a'; len];
+                bytes[at] = byte;
+                let escaped = serde_json::to_string(&char::from(byte).to_string())
+                    .expect("a string")
+                    .len()
+                    > char::from(byte).len_utf8() + 2;
+                assert_eq!(super::plain(&bytes), !escaped, "{byte:#x} at {at} of {len}");
+            }
+        }
+    }
+    assert!(super::plain(b""));
 }

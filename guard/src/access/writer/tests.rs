@@ -11,7 +11,7 @@ fn dropped() -> IntCounter {
 
 fn record(id: u64) -> Record<'static> {
     Record {
-        id: RequestId(id),
+        id: RequestId::from(id),
         path: "/api/show".into(),
         ..Record::default()
     }
@@ -55,20 +55,19 @@ fn close_writes_every_line_added_and_counts_one_added_after() {
     log.close();
     log.write(&record(u64::MAX));
     let text = std::fs::read_to_string(&path).expect("the log");
-    let ids: Vec<u64> = text
+    let ids: Vec<RequestId> = text
         .lines()
         .map(|line| {
             serde_json::from_str::<Record<'_>>(line)
                 .expect("a record")
                 .id
-                .0
         })
         .collect();
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(ids.len() as u64, THREADS * each, "one line a request");
     assert_eq!(
         ids.iter().copied().collect::<BTreeSet<_>>(),
-        (0..THREADS * each).collect(),
+        (0..THREADS * each).map(RequestId::from).collect(),
         "each request once"
     );
     assert_eq!(dropped.get(), 1, "only the line after the close");

@@ -1,7 +1,7 @@
 //! What the access log says of a queued request, gathered on its way: its id, what it was, who
 //! sent it, what it was sent back and what it used. Written once, when it concludes.
 
-use std::{borrow::Cow, time::Duration};
+use std::{borrow::Cow, net::SocketAddr, time::Duration};
 
 use compact_str::CompactString;
 use tokio::time::Instant;
@@ -12,7 +12,7 @@ use crate::{
     classify::DecidedBy,
     proxy::outcome::{Outcome, Stage},
     quote::quote,
-    reap::peer::Peer,
+    reap::{peer::Peer, registry::Connection},
 };
 
 /// The longest path or cgroup the log keeps (a longer one is cut at a character boundary).
@@ -89,14 +89,16 @@ impl QueuedRequest {
         let (words, reason, ended_at) = outcome.words();
         let usage = self.usage.unwrap_or_default();
         let ms = crate::access::millis;
-        let peer = client_process(&self.shared, &self.connection);
         let account = &self.account;
+        client_process(&self.shared, &self.connection);
+        let (client, identity, who) = who(&self.connection, account.token.as_deref());
         let classifier = &self.settings.classifier;
         Record {
             time: Some(crate::access::clock::wall(ended.into_std())),
             id: account.id,
-            client: Some(self.connection.peer),
-            identity: identity(peer.map(|peer| &**peer), account.token.as_deref()),
+            client,
+            identity,
+            who: Some(who),
             class: self.class.as_deref().map(Cow::Borrowed),
             decided_by: account.decided_by.map(|by| classifier.label(by).into()),
             method: account.method.clone(),
@@ -124,6 +126,18 @@ impl QueuedRequest {
     }
 }
 
+/// Who the client is, as a line says it: its address, its process (where looked up already)
+/// and the rule its token matched; with them, the connection's rendering of the first two.
+pub(in crate::proxy) fn who<'c>(
+    connection: &'c Connection,
+    token: Option<&'c str>,
+) -> (Option<SocketAddr>, Identity<'c>, &'c [u8]) {
+    let client = Some(connection.peer);
+    let peer = connection.known_process().map(|peer| &**peer);
+    let rendered = connection.logged_as(|| crate::access::who(client, &identity(peer, None)));
+    (client, identity(peer, token), rendered)
+}
+
 /// Who the client is: its process (the eBPF record, else /proc, looked up once per
 /// connection) and the rule its token matched; the process's names borrowed, bounded.
 pub(in crate::proxy) fn identity<'a>(
@@ -146,39 +160,18 @@ pub(in crate::proxy) fn identity<'a>(
     }
 }
 
-/// A request's method and path as the log says them: quoted, the path as the upstream
-/// decodes it and bounded.
-pub(in crate::proxy) fn method_and_path(
-    method: &http::Method,
-    uri: &http::Uri,
-) -> (Word, CompactString) {
-    let raw = uri.path();
-    logged(
-        method,
-        crate::route::normalize(raw).as_deref().unwrap_or(raw),
-    )
-}
-
-/// `method` quoted, and `path` (decoded already) bounded.
-fn logged(method: &http::Method, path: &str) -> (Word, CompactString) {
+/// A request's method and path as the log says them: the method quoted, the path (as the
+/// upstream decodes it, else as sent) bounded.
+pub(in crate::proxy) fn logged(method: &http::Method, path: &str) -> (Word, CompactString) {
     (method_word(method), CompactString::from(bounded(path)))
 }
 
 /// A method's name: the standard ones borrowed, any other quoted.
 fn method_word(method: &http::Method) -> Word {
-    use http::Method;
     const NAMES: [&str; 7] = ["GET", "POST", "HEAD", "PUT", "DELETE", "OPTIONS", "PATCH"];
-    let known = [
-        Method::GET,
-        Method::POST,
-        Method::HEAD,
-        Method::PUT,
-        Method::DELETE,
-        Method::OPTIONS,
-        Method::PATCH,
-    ];
-    match known.iter().position(|m| m == method) {
-        Some(at) => Word::Borrowed(NAMES[at]),
-        None => Word::Owned(quote(method.as_str())),
+    let name = method.as_str();
+    match NAMES.into_iter().find(|known| *known == name) {
+        Some(known) => Word::Borrowed(known),
+        None => Word::Owned(quote(name)),
     }
 }

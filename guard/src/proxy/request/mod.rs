@@ -29,7 +29,7 @@ use super::{
     throughput::Throughput,
 };
 use account::Account;
-pub(super) use account::{identity, method_and_path};
+pub(super) use account::{logged, who};
 pub(super) use phases::client_process;
 
 use crate::{
