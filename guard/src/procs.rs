@@ -62,10 +62,7 @@ const MAX_CGROUP_WALK: usize = 100_000;
 /// then walks the cgroup2 tree, at most `MAX_CGROUP_WALK` directories.
 pub fn cgroup_path_by_id(id: u64, pid: i32) -> Option<String> {
     use std::os::unix::fs::MetadataExt as _;
-    let root = mounts()
-        .into_iter()
-        .find(|mount| mount.fs_type == "cgroup2")?
-        .point;
+    let root = cgroup2_root()?;
     let inode_of = |path: &str| {
         std::fs::metadata(root.join(path.trim_start_matches('/')))
             .ok()
@@ -93,6 +90,27 @@ pub fn cgroup_path_by_id(id: u64, pid: i32) -> Option<String> {
     }
     found.insert(id, path.clone());
     Some(path)
+}
+
+/// Where cgroup v2 is mounted: read from mountinfo once, and again only where that path is
+/// no longer a cgroup2 filesystem (a statfs a lookup, not a parse of every mount: a client's
+/// connection is looked up as it arrives).
+fn cgroup2_root() -> Option<PathBuf> {
+    use nix::sys::statfs::{CGROUP2_SUPER_MAGIC, statfs};
+    static ROOT: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+    let mut root = ROOT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mounted =
+        |path: &PathBuf| statfs(path).is_ok_and(|fs| fs.filesystem_type() == CGROUP2_SUPER_MAGIC);
+    if let Some(path) = root.as_ref().filter(|path| mounted(path)) {
+        return Some(path.clone());
+    }
+    *root = mounts()
+        .into_iter()
+        .find(|mount| mount.fs_type == "cgroup2")
+        .map(|mount| mount.point);
+    root.clone()
 }
 
 /// Cgroup paths `cgroup_path_by_id` remembers; past this it starts over.

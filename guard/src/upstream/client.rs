@@ -86,7 +86,7 @@ impl Client {
             *request.method_mut() = head.method.clone();
             *request.uri_mut() = head.uri.clone();
             *request.version_mut() = head.version;
-            *request.headers_mut() = head.headers.clone();
+            *request.headers_mut() = headers_of(&head.headers);
             self.to_upstream(request)
         };
         match self.exchange(request()?).await? {
@@ -111,7 +111,7 @@ impl Client {
         let mut request = Request::new(full(body));
         *request.method_mut() = head.method.clone();
         *request.uri_mut() = head.uri.clone();
-        *request.headers_mut() = head.headers.clone();
+        *request.headers_mut() = headers_of(&head.headers);
         let mut request = self.to_upstream(request)?;
         request.headers_mut().insert(
             http::header::CONNECTION,
@@ -148,7 +148,7 @@ impl Client {
         *request.uri_mut() = target
             .parse()
             .map_err(|err: http::uri::InvalidUri| UpstreamError::Address(err.into()))?;
-        *request.headers_mut() = head.headers.clone();
+        *request.headers_mut() = headers_of(&head.headers);
         let headers = request.headers_mut();
         strip_hop_by_hop(headers);
         headers.remove(http::header::EXPECT);
@@ -211,6 +211,19 @@ impl Client {
             })),
         }
     }
+}
+
+/// The client's headers for a request of guard's own to the upstream. hyper reads the
+/// answer into the map its request went out in, and guard adds its own headers to that answer:
+/// the copy keeps the room the client's map had (its connection sized that map to the last
+/// answer guard sent it), where a clone keeps room for the request's headers alone and the
+/// answer regrows it.
+fn headers_of(client: &http::HeaderMap) -> http::HeaderMap {
+    let mut headers = http::HeaderMap::with_capacity(client.capacity());
+    for (name, value) in client {
+        headers.append(name.clone(), value.clone());
+    }
+    headers
 }
 
 /// The OS error among `err`'s causes, if any (it is all a failed connect says).

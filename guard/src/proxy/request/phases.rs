@@ -73,9 +73,12 @@ async fn collect(
 /// The head with bytes of its own. hyper's header values and path are slices of the
 /// connection's read buffer (8 KiB): a request that waits in line would keep that buffer
 /// from being reused, and hyper would take another for the next read, for as long as it
-/// waits. A value that does not copy (none should: hyper checked it) stays as it was.
+/// waits. A value that does not copy (none should: hyper checked it) stays as it was. The
+/// copy keeps the room the client's map had: hyper reads the upstream's answer into the map
+/// its request went out in, and the client's connection sized its map to the last answer
+/// guard sent (guard's headers included), so that the answer is tagged without regrowing it.
 fn detach(mut head: request::Parts) -> request::Parts {
-    let mut headers = http::HeaderMap::with_capacity(head.headers.len());
+    let mut headers = http::HeaderMap::with_capacity(head.headers.capacity());
     for (name, value) in &head.headers {
         let copy = http::HeaderValue::from_bytes(value.as_bytes()).map(|mut copy| {
             copy.set_sensitive(value.is_sensitive());
