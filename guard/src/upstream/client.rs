@@ -135,10 +135,13 @@ impl Client {
 
     /// A queued request as it goes to the upstream on an exchange of its own: origin-form
     /// target, the upstream's Host, and without what belongs to the client's hop (the body
-    /// is already read, so an `Expect: 100-continue` has been answered).
+    /// is already read, so an `Expect: 100-continue` has been answered). `headers`: the
+    /// client's, moved out of `head` where the request goes upstream once, else `headers_of`
+    /// them.
     pub fn for_exchange(
         &self,
         head: &http::request::Parts,
+        headers: http::HeaderMap,
         body: Bytes,
     ) -> Result<Request<Body>, UpstreamError> {
         let target = head.uri.path_and_query().map_or("/", |p| p.as_str());
@@ -148,7 +151,7 @@ impl Client {
         *request.uri_mut() = target
             .parse()
             .map_err(|err: http::uri::InvalidUri| UpstreamError::Address(err.into()))?;
-        *request.headers_mut() = headers_of(&head.headers);
+        *request.headers_mut() = headers;
         let headers = request.headers_mut();
         strip_hop_by_hop(headers);
         headers.remove(http::header::EXPECT);
@@ -218,7 +221,7 @@ impl Client {
 /// the copy keeps the room the client's map had (its connection sized that map to the last
 /// answer guard sent it), where a clone keeps room for the request's headers alone and the
 /// answer regrows it.
-fn headers_of(client: &http::HeaderMap) -> http::HeaderMap {
+pub fn headers_of(client: &http::HeaderMap) -> http::HeaderMap {
     let mut headers = http::HeaderMap::with_capacity(client.capacity());
     for (name, value) in client {
         headers.append(name.clone(), value.clone());

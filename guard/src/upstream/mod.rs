@@ -17,7 +17,7 @@ use http_body_util::{BodyExt as _, Full, combinators::BoxBody};
 
 /// Also here: the request path calls it as `upstream::error_chain`.
 pub use crate::error_chain::error_chain;
-pub use client::{Client, UpstreamError};
+pub use client::{Client, UpstreamError, headers_of};
 pub use headers::strip_hop_by_hop;
 
 /// The error of any body guard relays.

@@ -165,7 +165,10 @@ impl QueuedRequest {
         if let Some(tracked) = tracked {
             return Ok(Box::pin(self.run_tracked(tracked, &head)).await);
         }
-        let (exchange, response) = Box::pin(self.forward(&head, bytes)).await?;
+        // Sent once: its headers go as they are, not copied (the map comes back with the
+        // answer, which hyper reads into it, and goes on to the client's connection).
+        let headers = std::mem::take(&mut head.headers);
+        let (exchange, response) = Box::pin(self.forward(&head, headers, bytes)).await?;
         Ok(Box::pin(self.relay(exchange, response, None, &head)).await)
     }
 
@@ -392,10 +395,12 @@ impl QueuedRequest {
         }
     }
 
-    /// Sends the request on an exchange of its own; returns it with the response head.
+    /// Sends the request on an exchange of its own, with `headers` (its head's, or a copy);
+    /// returns it with the response head.
     pub(super) async fn forward(
         &mut self,
         head: &request::Parts,
+        headers: http::HeaderMap,
         body: Bytes,
     ) -> Phase<(Exchange, http::response::Parts)> {
         // A turn that came as its client left (a burst of departures hands permits along)
@@ -406,7 +411,7 @@ impl QueuedRequest {
         let request = self
             .shared
             .upstream
-            .for_exchange(head, body)
+            .for_exchange(head, headers, body)
             .map_err(|err| Ending::Told(err.into()))?;
         let watch = self.watch();
         let response_timeout = self.shared.response_timeout;

@@ -25,6 +25,7 @@ use crate::{
         exact::ExactError,
         exchange::Exchange,
         frames::{Lines, StreamFormat},
+        headers_of,
         resume::{Continuation, Endpoint, Transcript},
     },
 };
@@ -49,7 +50,10 @@ impl QueuedRequest {
         let (segment_head, body) = tracked.first(head);
         let upstream_head = segment_head.as_ref().unwrap_or(head);
         let started = match &tracked.engine {
-            Engine::Exact(_) => self.forward(upstream_head, body).await.map(Some),
+            Engine::Exact(_) => {
+                let headers = headers_of(&upstream_head.headers);
+                self.forward(upstream_head, headers, body).await.map(Some)
+            }
             Engine::Text(_) => self.forward_preemptible(upstream_head, body).await,
         };
         let started = match started {
@@ -80,7 +84,7 @@ impl QueuedRequest {
         tokio::select! {
             biased;
             () = preempted => Ok(None),
-            started = self.forward(head, body) => started.map(Some),
+            started = self.forward(head, headers_of(&head.headers), body) => started.map(Some),
         }
     }
 
@@ -235,7 +239,10 @@ impl QueuedRequest {
         };
         let upstream_head = segment_head.as_ref().unwrap_or(head);
         let started = match &tracked.engine {
-            Engine::Exact(_) => Some(self.forward(upstream_head, body).await?),
+            Engine::Exact(_) => {
+                let headers = headers_of(&upstream_head.headers);
+                Some(self.forward(upstream_head, headers, body).await?)
+            }
             Engine::Text(_) => self.forward_preemptible(upstream_head, body).await?,
         };
         match started {
