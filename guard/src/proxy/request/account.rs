@@ -126,16 +126,22 @@ impl QueuedRequest {
     }
 }
 
-/// Who the client is, as a line says it: its address, its process (where looked up already)
-/// and the rule its token matched; with them, the connection's rendering of the first two.
+/// Who the client is, as a line says it: its address, its process and the rule its token
+/// matched; with them, the connection's rendering of the first two. Called once the process
+/// was looked up (on arrival): the rendering is kept for the connection's every line.
 pub(in crate::proxy) fn who<'c>(
     connection: &'c Connection,
     token: Option<&'c str>,
 ) -> (Option<SocketAddr>, Identity<'c>, &'c [u8]) {
     let client = Some(connection.peer);
     let peer = connection.known_process().map(|peer| &**peer);
-    let rendered = connection.logged_as(|| crate::access::who(client, &identity(peer, None)));
-    (client, identity(peer, token), rendered)
+    let identity = identity(peer, None);
+    let rendered = connection.logged_as(|| crate::access::who(client, &identity));
+    let identity = Identity {
+        token: token.map(Cow::Borrowed),
+        ..identity
+    };
+    (client, identity, rendered)
 }
 
 /// Who the client is: its process (the eBPF record, else /proc, looked up once per
